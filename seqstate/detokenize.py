@@ -1,0 +1,154 @@
+"""Exact token bytes, incremental UTF-8-safe detokenization and stop-string hold-back.
+
+A token is a byte string.  Texts are decoded from the concatenated bytes, so a character split
+over two tokens is never mangled, and character offsets map back to token boundaries exactly.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+from collections.abc import Sequence
+from functools import cached_property
+
+__all__ = ["TokenVocabulary", "IncrementalDecoder", "StopMatcher"]
+
+_HEX_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's reversible map from the 256 byte values to printable characters, inverted."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TokenVocabulary:
+    """The exact bytes of every token id of a Hugging Face tokenizer.
+
+    Parameters
+    ----------
+    tokenizer:
+        A ``transformers`` fast tokenizer.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> vocab = ss.models.testing.tiny().vocab
+    >>> vocab.decode(vocab.encode("café"))
+    'café'
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.size = max(len(tokenizer), getattr(tokenizer, "vocab_size", 0))
+        decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+        self.byte_level = "ByteLevel" in json.dumps(decoder)
+        self.special_ids = frozenset(tokenizer.all_special_ids) | frozenset(
+            i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+
+    @cached_property
+    def token_bytes(self) -> list[bytes]:
+        """``token_bytes[i]`` is the exact byte string token ``i`` stands for."""
+        pieces = self.tokenizer.convert_ids_to_tokens(list(range(self.size)))
+        added = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items()}
+        alphabet = _byte_level_alphabet() if self.byte_level else None
+        out = []
+        for i, piece in enumerate(pieces):
+            if piece is None:
+                out.append(b"")
+            elif i in added:
+                out.append(added[i].encode())
+            elif alphabet is not None and all(c in alphabet for c in piece):
+                out.append(bytes(alphabet[c] for c in piece))
+            elif m := _HEX_BYTE.match(piece):
+                out.append(bytes([int(m.group(1), 16)]))
+            else:
+                out.append(piece.replace("\u2581", " ").encode())
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def bytes_of(self, ids: Sequence[int]) -> bytes:
+        tb = self.token_bytes
+        return b"".join(tb[i] for i in ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``; an incomplete trailing character shows as U+FFFD."""
+        return self.bytes_of(ids).decode("utf-8", errors="replace")
+
+    def char_prefix_tokens(self, ids: Sequence[int], n_chars: int) -> tuple[int, str]:
+        """How many whole tokens of ``ids`` fit in the first ``n_chars`` characters of their text.
+
+        Returns ``(k, rest)``: ``ids[:k]`` decodes to a prefix of the cut text and ``rest`` is the
+        remaining text up to ``n_chars`` that must be re-encoded.
+        """
+        text = self.decode(ids)
+        target = text[:n_chars]
+        limit = len(target.encode("utf-8", errors="replace"))
+        used, k = 0, 0
+        for t in ids:
+            nb = len(self.token_bytes[t])
+            if used + nb > limit:
+                break
+            used += nb
+            k += 1
+        kept = self.bytes_of(ids[:k]).decode("utf-8", errors="replace")
+        # a token ending inside a multibyte char decodes with U+FFFD: step back to a char boundary
+        while k and not target.startswith(kept):
+            k -= 1
+            kept = self.bytes_of(ids[:k]).decode("utf-8", errors="replace")
+        return k, target[len(kept):]
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text chunks that never split a character."""
+
+    def __init__(self, vocab: TokenVocabulary) -> None:
+        self._vocab = vocab
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        return self._dec.decode(self._vocab.token_bytes[token])
+
+    def flush(self) -> str:
+        return self._dec.decode(b"", final=True)
+
+
+class StopMatcher:
+    """Finds stop strings in generated text, across token boundaries.
+
+    ``find(text)`` returns the end offset of the earliest complete stop string in ``text`` (or
+    -1); ``holdback(text)`` is how many trailing characters might still begin a stop string and
+    so must not be streamed yet.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.longest = max((len(s) for s in self.stops), default=0)
+
+    def find(self, text: str, start: int = 0) -> tuple[int, int]:
+        """``(begin, end)`` of the earliest stop string found at or after ``start``; (-1, -1) if none."""
+        best = (-1, -1)
+        for s in self.stops:
+            i = text.find(s, max(0, start))
+            if i >= 0 and (best[0] < 0 or i < best[0]):
+                best = (i, i + len(s))
+        return best
+
+    def holdback(self, text: str) -> int:
+        for n in range(min(self.longest - 1, len(text)), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self.stops):
+                return n
+        return 0

@@ -1,0 +1,55 @@
+"""The seqstate error hierarchy.
+
+Every error subclasses :class:`SeqStateError` and the matching built-in, so callers can catch
+either.  Messages say what was expected, what was got, and what to do instead.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SeqStateError",
+    "SlicingError",
+    "BatchMismatch",
+    "SampleMismatch",
+    "ModelMismatch",
+    "ConstraintError",
+    "ContextOverflowError",
+    "ModelNotAvailable",
+    "HookError",
+]
+
+
+class SeqStateError(Exception):
+    """Base class of every error seqstate raises on purpose."""
+
+
+class SlicingError(SeqStateError, IndexError):
+    """A key that cannot be applied to a state, or a strict slice that cannot keep its KV."""
+
+
+class BatchMismatch(SeqStateError, ValueError):
+    """Two operands of ``+`` whose (batch, samples) shapes cannot be broadcast together."""
+
+
+class SampleMismatch(SeqStateError, ValueError):
+    """``num_samples=k`` asked of a state that already has ``S`` samples, ``S not in (1, k)``."""
+
+
+class ModelMismatch(SeqStateError, ValueError):
+    """A state made with one model or tokenizer given to a generator of another."""
+
+
+class ConstraintError(SeqStateError, ValueError):
+    """An invalid regex, schema, grammar or choice list, reported before any model call."""
+
+
+class ContextOverflowError(SeqStateError, ValueError):
+    """A request that cannot fit the model's context window, raised before any compute."""
+
+
+class ModelNotAvailable(SeqStateError, RuntimeError):
+    """A model's weights cannot be found locally (seqstate never downloads)."""
+
+
+class HookError(SeqStateError, RuntimeError):
+    """A post-sampling hook returned an action that cannot be honoured."""

@@ -1,0 +1,57 @@
+"""Preallocated decode buffers: the batched working copy of KV during one engine call.
+
+Layout ``(layers, 2, rows, kv_heads, capacity, head_dim)``; columns are token slots.  Unused
+slots are zeros (never uninitialised memory: padded slots are read, masked, by attention).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from seqstate.kv.store import KVHandle
+
+__all__ = ["KVBuffer"]
+
+
+class KVBuffer:
+    """Batched KV working space that grows by doubling and writes new tokens in place."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, rows: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        self.data = torch.zeros(layers, 2, rows, kv_heads, capacity, head_dim,
+                                dtype=dtype, device=device)
+        self.length = 0                               # columns in use, the same for every row
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[4]
+
+    def ensure(self, columns: int) -> None:
+        """Make room for ``columns`` slots (amortised doubling; copies only on growth)."""
+        if columns <= self.capacity:
+            return
+        new_cap = max(columns, 2 * self.capacity)
+        shape = list(self.data.shape)
+        shape[4] = new_cap
+        grown = self.data.new_zeros(shape)
+        grown[..., : self.length, :] = self.data[..., : self.length, :]
+        self.data = grown
+
+    def load(self, row: int, handle: KVHandle, end: int) -> None:
+        """Copy ``handle``'s KV into ``row`` so that it ends just before column ``end``."""
+        col = end - handle.length
+        for seg, lo, hi in handle.pieces():
+            self.data[:, :, row, :, col: col + hi - lo] = seg.kv[:, :, :, lo:hi]
+            col += hi - lo
+
+    def take(self, row: int, lo: int, hi: int) -> torch.Tensor:
+        """An owned copy of ``row``'s columns ``[lo, hi)``: ``(layers, 2, kv_heads, n, head_dim)``."""
+        return self.data[:, :, row, :, lo:hi].clone()
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Drop every row not in ``rows`` (finished rows stop costing compute)."""
+        self.data = self.data.index_select(2, rows)

