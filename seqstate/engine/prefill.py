@@ -1,0 +1,110 @@
+"""Prefill: compute the KV of every uncached prefix once, and store it.
+
+Rows are matched against the store; only tails without KV are run.  Rows of a batch that share
+a long uncached prefix (a system prompt) get that prefix computed once first.  Tails of
+different lengths run together: cached KV right-aligned, tails left-padded, a 2-D attention
+mask with holes and explicit position ids (exact; see DESIGN.md facts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from seqstate.kv.buffer import KVBuffer
+from seqstate.kv.hf_cache import as_cache
+from seqstate.kv.store import KVHandle
+from seqstate.models.hf import Model
+
+__all__ = ["ensure_kv", "SHARED_PREFIX_MIN", "PREFILL_CHUNK", "PREFILL_BATCH_TOKENS"]
+
+SHARED_PREFIX_MIN = 16        # a shared uncached prefix this long is prefilled once for all
+PREFILL_CHUNK = 1024          # longest tail run in one forward (longer tails run in chunks)
+PREFILL_BATCH_TOKENS = 8192   # rows x (past + tail) columns per forward
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _shared_prefixes(targets: list[tuple[int, ...]], cached: list[int]) -> list[tuple[int, ...]]:
+    """Prefixes shared by two or more targets that extend well past what is cached."""
+    order = sorted(range(len(targets)), key=lambda i: targets[i])
+    shared = set()
+    for a, b in zip(order, order[1:]):
+        lcp = _common_prefix(targets[a], targets[b])
+        if lcp - max(cached[a], cached[b]) >= SHARED_PREFIX_MIN and lcp < max(len(targets[a]), len(targets[b])):
+            shared.add(targets[a][:lcp])
+    # keep only the shortest of nested shared prefixes; longer ones are found next round
+    return [p for p in shared if not any(q != p and p[:len(q)] == q for q in shared)]
+
+
+def _run(model: Model, rows: list[tuple[tuple[int, ...], KVHandle]]) -> list[KVHandle]:
+    """One batched forward over the next chunk of each row's uncached tail; stores the KV.
+
+    Returns handles on the new KV, which the caller holds so eviction cannot drop it mid-call.
+    """
+    store = model.store
+    tails = [tokens[h.length: h.length + PREFILL_CHUNK] for tokens, h in rows]
+    past = max(h.length for _, h in rows)                           # cached KV, right-aligned
+    width = max(len(t) for t in tails)
+    buf = KVBuffer(model.num_layers, model.kv_heads, model.head_dim, len(rows), past + width,
+                   model.dtype, model.device)
+    ids = torch.full((len(rows), width), model.pad_token_id, dtype=torch.long)       # (B, T)
+    pos = torch.zeros((len(rows), width), dtype=torch.long)                          # (B, T)
+    mask = torch.zeros((len(rows), past + width), dtype=torch.long)                  # (B, P+T)
+    for i, ((tokens, h), tail) in enumerate(zip(rows, tails)):
+        buf.load(i, h, past)
+        mask[i, past - h.length: past] = 1
+        ids[i, width - len(tail):] = torch.tensor(tail)
+        pos[i, width - len(tail):] = torch.arange(h.length, h.length + len(tail))
+        mask[i, past + width - len(tail):] = 1
+    buf.length = past
+    model.forward(ids.to(model.device), mask.to(model.device), pos.to(model.device),
+                  as_cache(buf), logits=False)
+    model.count(prefill_tokens=sum(len(t) for t in tails))
+    return [store.extend(tokens, h.length, buf.take(i, past + width - len(tail), past + width))
+            for i, ((tokens, h), tail) in enumerate(zip(rows, tails))]
+
+
+def _prefill(model: Model, targets: list[tuple[int, ...]], pins: list[KVHandle]) -> None:
+    store = model.store
+    while True:
+        handles = [store.match(t) for t in targets]
+        todo = [(t, h) for t, h in zip(targets, handles) if h.length < len(t)]
+        if not todo:
+            return
+        shared = _shared_prefixes([t for t, _ in todo], [h.length for _, h in todo])
+        if shared:
+            _prefill(model, shared, pins)
+            continue
+        todo.sort(key=lambda th: th[1].length)      # similar past lengths batch with less padding
+        batch: list[tuple[tuple[int, ...], KVHandle]] = []
+        for row in todo:
+            grown = batch + [row]
+            cols = max(h.length for _, h in grown) + min(
+                max(len(t) - h.length for t, h in grown), PREFILL_CHUNK)
+            if batch and len(grown) * cols > PREFILL_BATCH_TOKENS:
+                pins.extend(_run(model, batch))
+                batch = []
+            batch.append(row)
+        pins.extend(_run(model, batch))
+
+
+def ensure_kv(model: Model, rows: Sequence[Sequence[int]]) -> list[KVHandle]:
+    """Make sure ``row[:-1]`` of every row has KV in the store; return pinned handles on it.
+
+    The last token of each row is left for the first decode step, which produces its logits.
+    ``cached_tokens_reused`` counts the tokens of distinct rows already stored at the start.
+    """
+    targets = [tuple(r[:-1]) for r in rows]
+    unique = list(dict.fromkeys(targets))
+    model.count(cached_tokens_reused=sum(model.store.match(t).length for t in unique))
+    pins: list[KVHandle] = []
+    _prefill(model, unique, pins)
+    return [model.store.match(t) for t in targets]

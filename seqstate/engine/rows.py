@@ -1,0 +1,123 @@
+"""What the engine takes and returns per row, and its per-row bookkeeping during a call."""
+
+from __future__ import annotations
+
+import dataclasses
+from seqstate.constraints.base import Cursor
+from seqstate.detokenize import IncrementalDecoder, StopMatcher, TokenVocabulary
+from seqstate.kv.store import KVHandle
+
+__all__ = ["RowRequest", "RowResult", "LiveRow"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RowRequest:
+    """One row to continue: its tokens, constraint cursor, token budget and stop strings."""
+
+    tokens: tuple[int, ...]
+    max_new: int
+    cursor: Cursor | None = None
+    stop: StopMatcher | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RowResult:
+    """One continued row.  ``tokens`` is the whole row; ``tokens[start:]`` is new."""
+
+    tokens: tuple[int, ...]
+    start: int
+    logprobs: tuple[float | None, ...]        # per new token: the model's own log-prob
+    cursors: tuple[Cursor | None, ...]        # per new token: the constraint cursor after it
+    finish_reason: str
+    text: str                                 # generated text, without a matched stop string
+    handle: KVHandle                          # KV of a prefix of `tokens` (all but the last)
+
+
+class LiveRow:
+    """Mutable per-row bookkeeping inside one engine call; never escapes it."""
+
+    def __init__(self, req: RowRequest, handle: KVHandle, vocab: TokenVocabulary,
+                 eos: frozenset[int]) -> None:
+        self.req = req
+        self.vocab = vocab
+        self.eos = eos
+        self.tokens = list(req.tokens)
+        self.start = len(req.tokens)
+        self.handle = handle                  # KV of tokens[:base]
+        self.base = handle.length
+        self.fed = 0                          # tokens[base: base + fed] have KV in the buffer
+        self.cursor = req.cursor
+        self.logprobs: list[float | None] = []
+        self.cursors: list[Cursor | None] = []
+        self.decoder = IncrementalDecoder(vocab)
+        self.text = ""
+        self.value_end: int | None = None
+        self.kv_limit = 1 << 62                # a stop-string cut invalidates KV past this
+        self.finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.start:]
+
+    def finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.text += self.decoder.flush()
+
+    def accept(self, token: int, logprob: float) -> str:
+        """Append a sampled token, apply the stop conditions; returns the new text chunk."""
+        if token in self.eos and (self.cursor is None or self.cursor.accepting):
+            self.finish("eos" if self.cursor is None else "constraint_complete")
+            return ""
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        if self.cursor is not None:
+            self.cursor = self.cursor.advance(token)
+        self.cursors.append(self.cursor)
+        chunk = self.decoder.push(token)
+        self.text += chunk
+        stop = self.req.stop
+        if stop is not None and chunk:
+            begin, end = stop.find(self.text, len(self.text) - len(chunk) - stop.longest + 1)
+            if begin >= 0:
+                self._cut_at(begin, end)
+                self.finish("stop")
+                return chunk
+        if self.cursor is not None and self.cursor.complete:
+            self.finish("constraint_complete")
+        elif len(self.tokens) - self.start >= self.req.max_new:
+            self.finish("max_tokens")
+        return chunk
+
+    def _cut_at(self, begin: int, end: int) -> None:
+        """End the row right after the stop string; the value excludes it.
+
+        Unconstrained rows whose last token runs past the stop string are cut at the character
+        and the remainder re-encoded; constrained rows keep whole tokens.
+        """
+        self.value_end = begin
+        if self.cursor is not None:
+            return
+        gen = self.generated
+        k, rest = self.vocab.char_prefix_tokens(gen, end)
+        if k == len(gen) and not rest:
+            return
+        extra = self.vocab.encode(rest) if rest else []
+        self.kv_limit = self.start + k
+        self.tokens[self.start + k:] = extra
+        self.logprobs[k:] = [None] * len(extra)
+        self.cursors[k:] = [None] * len(extra)
+        self.text = self.text[:end]
+
+    def kv_valid(self) -> int:
+        """How many leading tokens of ``tokens`` the buffer + handle hold KV for."""
+        return min(self.base + self.fed, len(self.tokens) - 1, self.kv_limit)
+
+    def result(self, handle: KVHandle) -> RowResult:
+        text = self.text if self.value_end is None else self.text[: self.value_end]
+        return RowResult(tuple(self.tokens), self.start, tuple(self.logprobs),
+                         tuple(self.cursors), self.finish_reason or "max_tokens", text, handle)
+

@@ -1,0 +1,79 @@
+"""Frozen sampler objects.  Each travels whole; override fields with ``dataclasses.replace``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from seqstate.sampling.functions import (filter_top_k, filter_top_p, greedy_tokens,
+                                         inverse_cdf_sample)
+
+__all__ = ["Sampler", "Greedy", "Multinomial", "greedy", "multinomial"]
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """Chooses one token per row from constrained logits (B, V); -inf marks banned tokens."""
+
+    def choose(self, logits: torch.Tensor, rng: torch.Generator | None) -> torch.Tensor: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Greedy:
+    """Always the most likely allowed token.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> ss.greedy()
+    Greedy()
+    """
+
+    def choose(self, logits: torch.Tensor, rng: torch.Generator | None) -> torch.Tensor:
+        return greedy_tokens(logits)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Multinomial:
+    """Ancestral sampling with temperature, then optional top-k and nucleus (top-p) filtering.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> ss.multinomial(temperature=0.7, top_p=0.9)
+    Multinomial(temperature=0.7, top_k=None, top_p=0.9)
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}; "
+                             "use ss.greedy() for deterministic decoding")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    def choose(self, logits: torch.Tensor, rng: torch.Generator | None) -> torch.Tensor:
+        logits = logits / self.temperature
+        if self.top_k is not None:
+            logits = filter_top_k(logits, self.top_k)
+        if self.top_p is not None:
+            logits = filter_top_p(logits, self.top_p)
+        return inverse_cdf_sample(logits, rng)
+
+
+def greedy() -> Greedy:
+    """The greedy sampler."""
+    return Greedy()
+
+
+def multinomial(temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None) -> Multinomial:
+    """A multinomial sampler with temperature, top-k and top-p."""
+    return Multinomial(temperature, top_k, top_p)

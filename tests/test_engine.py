@@ -1,0 +1,161 @@
+"""The engine: greedy equals HF generate; KV through the store equals a fresh forward."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import seqstate as ss
+from seqstate.engine import RowRequest, ensure_kv, generate, next_logits
+from seqstate.sampling import greedy, multinomial
+
+PROMPTS = ["Q: name three vehicles.\nA:", "Hello", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,"]
+
+
+def hf_greedy(model, ids, n):
+    out = model.hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                  pad_token_id=model.pad_token_id)[0].tolist()
+    new = out[len(ids):]
+    for i, t in enumerate(new):          # seqstate does not keep EOS in the state
+        if t in model.eos_token_ids:
+            return new[:i]
+    return new
+
+
+def check_greedy_matches_hf(model, n):
+    ids = [model.encode(p) for p in PROMPTS]
+    single = [generate(model, [RowRequest(tuple(i), n)], greedy())[0] for i in ids]
+    batched = generate(model, [RowRequest(tuple(i), n) for i in ids], greedy())
+    for i, a, b in zip(ids, single, batched):
+        expected = hf_greedy(model, i, n)
+        assert list(a.tokens[a.start:]) == expected
+        assert list(b.tokens[b.start:]) == expected
+
+
+def test_greedy_matches_hf_generate_tiny(tiny):
+    check_greedy_matches_hf(tiny, 24)
+
+
+@pytest.mark.real
+def test_greedy_matches_hf_generate_real(real):
+    check_greedy_matches_hf(real, 24)
+
+
+def assert_close_to_fresh(model, rows):
+    got = next_logits(model, rows)
+    for r, g in zip(rows, got):
+        ref = model.full_logits(list(r))[-1]
+        assert (g - ref).abs().max().item() < 1e-3
+
+
+def test_logits_through_reused_sliced_forked_and_batched_kv(fresh_tiny):
+    m = fresh_tiny
+    base = m.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    res = generate(m, [RowRequest(tuple(base), 12)] * 3, multinomial(), torch.Generator().manual_seed(0))
+    rows = [list(r.tokens) for r in res]
+    assert_close_to_fresh(m, rows)                                  # reused, forked
+    assert_close_to_fresh(m, [r[:len(base) - 5] for r in rows])     # sliced back into the prompt
+    assert_close_to_fresh(m, [r[: len(base) + 4] for r in rows] + [base[:7], m.encode("Other")])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["extend", "crop", "fork", "batch"]),
+                          st.integers(0, 10_000)), min_size=1, max_size=6))
+def test_random_extend_crop_fork_batch_is_exact(tiny, ops):
+    vocab = 300
+    rows = [tiny.encode("Once upon a time")]
+    for op, arg in ops:
+        r = rows[arg % len(rows)]
+        if op == "extend":
+            rows.append(r + [(arg * 7 + i) % vocab + 100 for i in range(arg % 9 + 1)])
+        elif op == "crop" and len(r) > 1:
+            rows.append(r[: 1 + arg % (len(r) - 1)])
+        elif op == "fork":
+            res = generate(tiny, [RowRequest(tuple(r), 3)] * 2, multinomial(),
+                           torch.Generator().manual_seed(arg))
+            rows.extend(list(x.tokens) for x in res)
+        else:
+            rows = rows[-4:]
+    assert_close_to_fresh(tiny, rows[-4:])
+
+
+def test_continuing_prefills_only_new_tokens(fresh_tiny):
+    m = fresh_tiny
+    first = generate(m, [RowRequest(tuple(m.encode("A long enough prompt for this")), 8)], greedy())[0]
+    before = m.stats
+    appended = m.encode(" and then")
+    generate(m, [RowRequest(first.tokens + tuple(appended), 4)], greedy())
+    d = m.stats - before
+    # the last generated token (never fed) plus the appended text minus its last token,
+    # which the first decode step feeds
+    assert d.prefill_tokens == 1 + len(appended) - 1
+    assert d.cached_tokens_reused == len(first.tokens) - 1
+
+
+def test_shared_prefix_is_prefilled_once(fresh_tiny):
+    m = fresh_tiny
+    system = m.encode("You are a helpful assistant. Answer briefly and precisely. " * 4)
+    words = ["apple", "river", "stone", "cloud", "tiger", "paper", "music", "glass", "bread", "train",
+             "horse", "light", "chair", "ocean", "green", "sugar", "metal", "field", "dream", "smile"]
+    questions = [m.encode(f" {w.title()}: what rhymes with {w}?") for w in words]
+    assert len({q[0] for q in questions}) == 20, "questions must diverge right after the prefix"
+    before = m.stats
+    generate(m, [RowRequest(tuple(system + q), 2) for q in questions], greedy())
+    d = m.stats - before
+    tails = sum(len(q) - 1 for q in questions)
+    assert d.prefill_tokens == len(system) + tails
+
+
+def test_fork_memory_is_prompt_plus_suffixes(fresh_tiny):
+    m = fresh_tiny
+    prompt = [100 + (i * 37) % 5000 for i in range(512)]
+    before = m.stats
+    res = generate(m, [RowRequest(tuple(prompt), 32)] * 8, multinomial(), torch.Generator().manual_seed(1))
+    d = m.stats - before
+    assert d.prefill_tokens == 511                                   # the prompt, once
+    per_token = m.num_layers * 2 * m.kv_heads * m.head_dim * 4
+    assert m.stats.kv_bytes_cached <= (512 + 8 * 32) * per_token
+    assert len({r.tokens for r in res}) > 1
+
+
+def test_eviction_respects_pins_and_budget(fresh_tiny):
+    m = fresh_tiny
+    per_token = m.num_layers * 2 * m.kv_heads * m.head_dim * 4
+    m.store.budget_bytes = 200 * per_token
+    kept = generate(m, [RowRequest(tuple(m.encode("kept " * 60)), 8)], greedy())[0]
+    for i in range(10):
+        generate(m, [RowRequest(tuple(m.encode(f"filler {i} " * 30)), 4)], greedy())
+    assert m.stats.evictions > 0
+    assert m.store.bytes_cached <= m.store.budget_bytes + 70 * per_token   # only pinned over budget
+    h = kept.handle
+    assert m.store.match(kept.tokens).length == h.length          # pinned KV survived
+    assert_close_to_fresh(m, [list(kept.tokens)])
+    held = m.stats.kv_bytes_held
+    del kept, h
+    import gc
+
+    gc.collect()
+    assert m.stats.kv_bytes_held < held
+    m.store.clear()
+    assert m.stats.kv_bytes_cached == m.stats.kv_bytes_held
+
+
+def test_finished_rows_stop_costing_compute(fresh_tiny):
+    m = fresh_tiny
+    p = tuple(m.encode("Count:"))
+    before = m.stats
+    generate(m, [RowRequest(p, 1), RowRequest(p, 1), RowRequest(p, 1), RowRequest(p, 20)], greedy())
+    assert (m.stats - before).decode_tokens == 3 + 20
+
+
+def test_stop_string_across_tokens(tiny):
+    p = tuple(tiny.encode("x"))
+    free = generate(tiny, [RowRequest(p, 12)], greedy())[0]
+    text = free.text
+    stop = text[3:6]
+    from seqstate.detokenize import StopMatcher
+
+    res = generate(tiny, [RowRequest(p, 12, stop=StopMatcher([stop]))], greedy())[0]
+    assert res.finish_reason == "stop"
+    assert res.text == text[: text.index(stop)]
+    assert tiny.vocab.decode(res.tokens[res.start:]) == text[: text.index(stop) + len(stop)]
