@@ -79,6 +79,7 @@ def run(model: Model, requests: Sequence[RowRequest], sampler: Sampler,
         width = max(r.max_new for r in requests)
         buf, mask = _load(model, handles, min(width, _FIRST_CAPACITY) + 1)
         past = buf.length                                            # prompts right-aligned here
+        padded = len({h.length for h in handles}) > 1                # else no mask is needed
         cache = as_cache(buf)
         live = list(range(len(rows)))                                # slot -> row index
         results: dict[int, RowResult] = {}
@@ -91,7 +92,8 @@ def run(model: Model, requests: Sequence[RowRequest], sampler: Sampler,
             ids = torch.tensor([[r.tokens[-1]] for r in slots], device=model.device)       # (B, 1)
             pos = torch.tensor([[len(r.tokens) - 1] for r in slots], device=model.device)  # (B, 1)
             mask[:, buf.length] = 1
-            logits = model.forward(ids, mask[:, : buf.length + 1].to(model.device), pos, cache)
+            step_mask = mask[:, : buf.length + 1].to(model.device) if padded else None
+            logits = model.forward(ids, step_mask, pos, cache)
             buf.length += 1
             model.count(decode_tokens=sum(not r.done for r in slots))
             # 2. constrain: banned tokens get -inf; a row with nothing allowed is a dead end

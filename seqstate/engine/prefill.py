@@ -65,7 +65,8 @@ def _run(model: Model, rows: list[tuple[tuple[int, ...], KVHandle]]) -> list[KVH
         pos[i, width - len(tail):] = torch.arange(h.length, h.length + len(tail))
         mask[i, past + width - len(tail):] = 1
     buf.length = past
-    model.forward(ids.to(model.device), mask.to(model.device), pos.to(model.device),
+    padded = not bool(mask.all())
+    model.forward(ids.to(model.device), mask.to(model.device) if padded else None, pos.to(model.device),
                   as_cache(buf), logits=False)
     model.count(prefill_tokens=sum(len(t) for t in tails))
     return [store.extend(tokens, h.length, buf.take(i, past + width - len(tail), past + width))

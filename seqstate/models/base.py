@@ -63,7 +63,7 @@ class LanguageModel(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 position_ids: torch.Tensor, cache: Any, *, logits: bool = True) -> torch.Tensor | None:
         """Run the network over ``input_ids`` (B, T) appending to ``cache``.
 

@@ -108,9 +108,12 @@ class Model:
 
     # -- network ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 position_ids: torch.Tensor, cache: Any, *, logits: bool = True) -> torch.Tensor | None:
-        """Run ``input_ids`` (B, T) over ``cache``; last-position logits (B, V) in float32 or None."""
+        """Run ``input_ids`` (B, T) over ``cache``; last-position logits (B, V) in float32 or None.
+
+        ``attention_mask`` (B, past + T) may be None when no row is padded.
+        """
         self._counters["forward_calls"] += 1
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids, past_key_values=cache, use_cache=True)

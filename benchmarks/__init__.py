@@ -1,0 +1,1 @@
+"""seqstate benchmarks: `make bench` prints ratios against peers measured in the same run."""

@@ -1,0 +1,107 @@
+"""Turning user specs (regex, options, JSON schema, Lark) into cached compiled constraints."""
+
+from __future__ import annotations
+
+import enum
+import json
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from seqstate.constraints.grammar import GrammarConstraint
+from seqstate.constraints.regex import RegexConstraint
+from seqstate.errors import ConstraintError
+
+__all__ = ["regex", "choice", "json_schema", "cfg", "escape", "options_of"]
+
+_SPECIAL = set("\\.^$|?*+()[]{}-/\"")
+
+
+def escape(text: str) -> str:
+    """Escape regex metacharacters only (outlines_core rejects escapes of ordinary characters)."""
+    return "".join("\\" + c if c in _SPECIAL else c for c in text)
+
+
+def _cached(model, key: tuple, build: Callable[[], Any]) -> Any:
+    cache = model.constraint_cache
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
+
+
+def regex(model, pattern: str) -> RegexConstraint:
+    if not isinstance(pattern, str) or not pattern:
+        raise ConstraintError(f"expected a non-empty regex string, got {pattern!r}")
+    return _cached(model, ("regex", pattern), lambda: RegexConstraint(pattern, model))
+
+
+def options_of(spec: Any) -> tuple[list[str], list[Any]]:
+    """``(texts, values)`` of a choice spec: a list of str, a ``Literal[...]`` or an ``Enum``."""
+    if isinstance(spec, type) and issubclass(spec, enum.Enum):
+        values = list(spec)
+        texts = [str(v.value) for v in values]
+    elif typing.get_origin(spec) is typing.Literal:
+        values = list(typing.get_args(spec))
+        texts = [str(v) for v in values]
+    elif isinstance(spec, Sequence) and not isinstance(spec, str):
+        values = list(spec)
+        if not all(isinstance(v, str) for v in values):
+            bad = next(v for v in values if not isinstance(v, str))
+            raise ConstraintError(f"choice options must be str, got {bad!r} "
+                                  f"({type(bad).__name__}); convert the options to strings")
+        texts = values
+    else:
+        raise ConstraintError(f"expected a list of str, a Literal[...] or an Enum, got {spec!r}")
+    if not texts:
+        raise ConstraintError("choice needs at least one option, got an empty list")
+    dupes = sorted({t for t in texts if texts.count(t) > 1})
+    if dupes:
+        raise ConstraintError(f"duplicate choice options {dupes}; each option must be unique")
+    if any(t == "" for t in texts):
+        raise ConstraintError("an empty string cannot be a choice option")
+    return texts, values
+
+
+def choice(model, spec: Any) -> RegexConstraint:
+    texts, values = options_of(spec)
+    by_text = dict(zip(texts, values))
+    pattern = "(" + "|".join(escape(t) for t in texts) + ")"
+    return _cached(model, ("choice", tuple(texts), tuple(map(repr, values))),
+                   lambda: RegexConstraint(pattern, model, parse=by_text.__getitem__))
+
+
+def _schema_of(spec: Any) -> tuple[str, Callable[[str], Any]]:
+    if isinstance(spec, type) and hasattr(spec, "model_json_schema"):    # pydantic model
+        return json.dumps(spec.model_json_schema()), spec.model_validate_json
+    if isinstance(spec, dict):
+        return json.dumps(spec), json.loads
+    if isinstance(spec, str):
+        try:
+            json.loads(spec)
+        except ValueError as exc:
+            raise ConstraintError(f"the JSON schema string is not valid JSON: {exc}") from exc
+        return spec, json.loads
+    raise ConstraintError(f"expected a pydantic model class, a dict or a JSON-schema string, "
+                          f"got {type(spec).__name__}")
+
+
+def json_schema(model, spec: Any, whitespace: str | None = r"[ ]?") -> RegexConstraint:
+    from outlines_core.json_schema import build_regex_from_schema
+
+    schema, parse = _schema_of(spec)
+
+    def build() -> RegexConstraint:
+        try:
+            pattern = build_regex_from_schema(schema, whitespace)
+        except Exception as exc:
+            raise ConstraintError(f"unsupported or invalid JSON schema: {exc}") from exc
+        return RegexConstraint(pattern, model, parse=parse)
+
+    return _cached(model, ("json", schema, whitespace, id(parse)), build)
+
+
+def cfg(model, lark: str) -> GrammarConstraint:
+    if not isinstance(lark, str) or not lark.strip():
+        raise ConstraintError("expected Lark grammar text (see ss.grammars.load), got "
+                              f"{type(lark).__name__}")
+    return _cached(model, ("cfg", lark), lambda: GrammarConstraint(lark, model))

@@ -1,0 +1,105 @@
+"""Regex constraints (and JSON/choice, compiled to regex) on outlines_core, byte-exact.
+
+The outlines_core ``Vocabulary`` is built from each token's exact bytes, so regexes with
+non-ASCII characters work (outlines' own string vocabulary collapses partial UTF-8 tokens).
+A cursor is one int per row: the index state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+from outlines_core import Index, Vocabulary
+
+from seqstate.errors import ConstraintError
+
+__all__ = ["RegexConstraint", "RegexCursor", "byte_vocabulary"]
+
+_MASK_CACHE = 1024       # allowed-token masks kept per compiled constraint
+
+
+def byte_vocabulary(model) -> Vocabulary:
+    """An outlines_core Vocabulary keyed by exact token bytes, special tokens left out."""
+    vocab = model.vocab
+    eos = min(model.eos_token_ids)
+    table: dict[bytes, list[int]] = {}
+    for i, b in enumerate(vocab.token_bytes):
+        if i in vocab.special_ids or i in model.eos_token_ids or not b:
+            continue
+        table.setdefault(b, []).append(i)
+    return Vocabulary(eos, table)
+
+
+class RegexConstraint:
+    """A compiled regex over a model's vocabulary: frozen and shared by every row."""
+
+    def __init__(self, pattern: str, model, parse: Callable[[str], object] = str) -> None:
+        self.pattern = pattern
+        self._parse = parse
+        self.vocab_size = model.vocab.size
+        self.eos = sorted(model.eos_token_ids)
+        try:
+            self.index = Index(pattern, _vocabulary(model))
+        except Exception as exc:
+            raise ConstraintError(f"cannot compile regex {pattern!r}: {exc}; check the pattern "
+                                  "(Python `re` syntax, no lookarounds or backreferences)") from exc
+        self._masks: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def start(self) -> RegexCursor:
+        return RegexCursor(self, self.index.get_initial_state())
+
+    def parse(self, text: str) -> object:
+        return self._parse(text)
+
+    def mask(self, state: int) -> torch.Tensor:
+        m = self._masks.get(state)
+        if m is None:
+            m = torch.zeros(self.vocab_size, dtype=torch.bool)                  # (V,)
+            allowed = self.index.get_allowed_tokens(state) or []
+            if allowed:
+                m[torch.tensor(allowed, dtype=torch.long)] = True
+            final = self.index.is_final_state(state)
+            m[self.eos] = final
+            self._masks[state] = m
+            if len(self._masks) > _MASK_CACHE:
+                self._masks.popitem(last=False)
+        else:
+            self._masks.move_to_end(state)
+        return m
+
+
+def _vocabulary(model) -> Vocabulary:
+    cache = model.constraint_cache
+    if ("vocabulary",) not in cache:
+        cache[("vocabulary",)] = byte_vocabulary(model)
+    return cache[("vocabulary",)]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RegexCursor:
+    constraint: RegexConstraint
+    state: int
+
+    def allowed(self) -> torch.Tensor:
+        return self.constraint.mask(self.state)
+
+    def advance(self, token: int) -> RegexCursor:
+        nxt = self.constraint.index.get_next_state(self.state, token)
+        if nxt is None:
+            raise ConstraintError(f"token {token} is not allowed by regex {self.constraint.pattern!r} here")
+        return RegexCursor(self.constraint, nxt)
+
+    @property
+    def accepting(self) -> bool:
+        return self.constraint.index.is_final_state(self.state)
+
+    @property
+    def complete(self) -> bool:
+        if not self.accepting:
+            return False
+        m = self.allowed().clone()
+        m[self.constraint.eos] = False
+        return not bool(m.any())
