@@ -1,10 +1,18 @@
 """seqstate: structured LLM generation on immutable, forkable sequence states."""
 
-from seqstate import engine, kv, models, sampling
+from seqstate import constraints, engine, grammars, kv, models, sampling
+from seqstate.continuous import (Generator, cfg, choice, continuous, final_state, json, regex,
+                                 text)
 from seqstate.errors import (BatchMismatch, ConstraintError, ContextOverflowError, HookError,
                              ModelMismatch, ModelNotAvailable, SampleMismatch, SeqStateError,
                              SlicingError)
+from seqstate.sampling import greedy, multinomial
+from seqstate.state import SequenceState, from_tokens
 
-__all__ = ["models", "engine", "kv", "sampling", "SeqStateError", "SlicingError", "BatchMismatch", "SampleMismatch",
-           "ModelMismatch", "ConstraintError", "ContextOverflowError", "ModelNotAvailable",
-           "HookError"]
+__all__ = [
+    "SequenceState", "from_tokens", "Generator", "text", "choice", "regex", "json", "cfg",
+    "continuous", "final_state", "greedy", "multinomial",
+    "models", "engine", "kv", "sampling", "constraints", "grammars",
+    "SeqStateError", "SlicingError", "BatchMismatch", "SampleMismatch", "ModelMismatch",
+    "ConstraintError", "ContextOverflowError", "ModelNotAvailable", "HookError",
+]

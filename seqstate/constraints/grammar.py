@@ -29,17 +29,22 @@ def _tokenizer(model):
 class GrammarConstraint:
     """A compiled Lark grammar: frozen and shared by every row."""
 
-    def __init__(self, lark: str, model, parse=str) -> None:
+    def __init__(self, lark: str, model, parse=str, serialized: str | None = None) -> None:
         self.lark = lark
         self._parse = parse
         self.vocab_size = model.vocab.size
         self.eos = sorted(model.eos_token_ids)
         self.tokenizer = _tokenizer(model)
-        self.grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        self.grammar = serialized or llguidance.LLMatcher.grammar_from_lark(lark)
         error = llguidance.LLMatcher.validate_grammar(self.grammar, self.tokenizer)
         if error:
             raise ConstraintError(f"invalid Lark grammar:\n{error.strip()}\nfix the grammar text "
                                   "(llguidance Lark syntax; the rule `start` is the entry point)")
+
+    @classmethod
+    def from_serialized(cls, grammar: str, model) -> GrammarConstraint:
+        """Wrap an llguidance grammar already serialized (an outlines generator's)."""
+        return cls("<llguidance grammar>", model, serialized=grammar)
 
     def start(self) -> GrammarCursor:
         return GrammarCursor(self, llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0))

@@ -36,17 +36,23 @@ def byte_vocabulary(model) -> Vocabulary:
 class RegexConstraint:
     """A compiled regex over a model's vocabulary: frozen and shared by every row."""
 
-    def __init__(self, pattern: str, model, parse: Callable[[str], object] = str) -> None:
+    def __init__(self, pattern: str, model, parse: Callable[[str], object] = str,
+                 index: Index | None = None) -> None:
         self.pattern = pattern
         self._parse = parse
         self.vocab_size = model.vocab.size
         self.eos = sorted(model.eos_token_ids)
         try:
-            self.index = Index(pattern, _vocabulary(model))
+            self.index = index if index is not None else Index(pattern, _vocabulary(model))
         except Exception as exc:
             raise ConstraintError(f"cannot compile regex {pattern!r}: {exc}; check the pattern "
                                   "(Python `re` syntax, no lookarounds or backreferences)") from exc
         self._masks: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    @classmethod
+    def from_index(cls, index: Index, model) -> RegexConstraint:
+        """Wrap an index compiled elsewhere (an outlines generator's) on the same tokenizer."""
+        return cls("<outlines index>", model, index=index)
 
     def start(self) -> RegexCursor:
         return RegexCursor(self, self.index.get_initial_state())

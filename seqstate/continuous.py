@@ -1,0 +1,294 @@
+"""Generators that take a prompt or a state and return a new ``SequenceState``.
+
+``ss.text``, ``ss.choice``, ``ss.regex``, ``ss.json`` and ``ss.cfg`` build a :class:`Generator`;
+``ss.continuous`` wraps an outlines 1.x generator or ``(model, output_type)``.  Each call
+constrains only the new suffix, so generators mix freely on one state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from seqstate.constraints import compile as compiled
+from seqstate.detokenize import StopMatcher
+from seqstate.engine import RowRequest, RowResult, run
+from seqstate.errors import ContextOverflowError, ModelMismatch, SampleMismatch
+from seqstate.models.hf import Model
+from seqstate.sampling.params import Greedy, Sampler
+from seqstate.state import Row, SequenceState, Span
+
+__all__ = ["Generator", "text", "choice", "regex", "json", "cfg", "continuous", "final_state"]
+
+Prompt = str | Sequence[str] | SequenceState
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Call:
+    """The keywords of one generator call, declared once and validated before any compute."""
+
+    max_tokens: int | None = None
+    stop_at: str | Sequence[str] | None = None
+    num_samples: int | None = None
+    sampler: Sampler = Greedy()
+    seed: int | None = None
+    rng: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool)
+                                            or not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
+            raise ValueError(f"max_tokens must be a positive int or None, got {self.max_tokens!r}")
+        if self.num_samples is not None and (not isinstance(self.num_samples, int) or self.num_samples <= 0):
+            raise ValueError(f"num_samples must be a positive int or None, got {self.num_samples!r}")
+        if not hasattr(self.sampler, "choose"):
+            raise TypeError(f"sampler must be ss.greedy(), ss.multinomial(...) or ss.beam_search(...), "
+                            f"got {self.sampler!r}")
+        stops = [self.stop_at] if isinstance(self.stop_at, str) else list(self.stop_at or [])
+        if not all(isinstance(s, str) and s for s in stops):
+            raise ValueError(f"stop_at must be a non-empty str or a list of them, got {self.stop_at!r}")
+
+    @property
+    def stops(self) -> StopMatcher | None:
+        stops = [self.stop_at] if isinstance(self.stop_at, str) else list(self.stop_at or [])
+        return StopMatcher(stops) if stops else None
+
+    def generator(self) -> torch.Generator | None:
+        if self.rng is not None:
+            return self.rng
+        return None if self.seed is None else torch.Generator().manual_seed(self.seed)
+
+
+class Generator:
+    """A reusable generator bound to a model and (optionally) a compiled constraint.
+
+    Call it with a prompt (``str``), a list of prompts (one per batch item) or a
+    ``SequenceState``; it returns a new ``SequenceState``.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> model = ss.models.testing.tiny()
+    >>> yes_no = ss.choice(model, ["yes", "no"])
+    >>> yes_no("Answer: ").value in ("yes", "no")
+    True
+    """
+
+    def __init__(self, model: Model, constraint: Any = None, name: str = "text") -> None:
+        self.model = model
+        self.constraint = constraint
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<seqstate {self.name} generator on {self.model.name!r}>"
+
+    # -- prompts ------------------------------------------------------------------------------
+    def _state(self, prompt: Prompt) -> SequenceState:
+        if isinstance(prompt, SequenceState):
+            if prompt.model is not self.model:
+                raise ModelMismatch(f"this state was made with {prompt.model!r} but the generator uses "
+                                    f"{self.model!r}; build the generator on the state's model")
+            return prompt
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(texts, (list, tuple)) or not texts or not all(isinstance(t, str) for t in texts):
+            raise TypeError(f"a prompt is a str, a non-empty list of str or a SequenceState, got {prompt!r}")
+        rows = []
+        for t in texts:
+            ids = tuple(self.model.encode(t)) or tuple(self.model.start_token_ids)
+            rows.append(Row(ids, None, (None,) * len(ids), (None,) * len(ids)))
+        return SequenceState(self.model, tuple(rows), len(rows), 1)
+
+    @staticmethod
+    def _fork(state: SequenceState, k: int | None) -> SequenceState:
+        if k is None or k == state.samples:
+            return state
+        if state.samples != 1:
+            raise SampleMismatch(f"num_samples={k} asked of a state with {state.samples} samples; "
+                                 f"pass num_samples=None (or {state.samples}) to continue each sample, "
+                                 "or slice one sample first (state[:, 0])")
+        rows = [r for r in state.rows for _ in range(k)]
+        return SequenceState(state.model, tuple(rows), state.batch, k)
+
+    def _requests(self, state: SequenceState, call: Call, cursors: list) -> list[RowRequest]:
+        ctx = self.model.context_length
+        reqs = []
+        for r, cursor in zip(state.rows, cursors):
+            room = ctx - len(r.tokens)
+            want = call.max_tokens if call.max_tokens is not None else room
+            if want > room or room <= 0:
+                raise ContextOverflowError(
+                    f"a row of {len(r.tokens)} tokens plus max_tokens={call.max_tokens} exceeds the "
+                    f"model's context of {ctx} tokens; shorten the prompt or lower max_tokens")
+            reqs.append(RowRequest(r.tokens, want, cursor, call.stops))
+        return reqs
+
+    def _row(self, old: Row, res: RowResult, span_start: int | None) -> Row:
+        n_old = res.start
+        cursor = res.cursors[-1] if res.cursors else None
+        start = n_old if span_start is None else span_start
+        text = self.model.vocab.decode(res.tokens[start:]) if span_start is not None else res.text
+        if self.constraint is None:
+            value = res.text
+        elif res.finish_reason == "constraint_complete" or (cursor is not None and cursor.accepting):
+            value = self._parse(cursor, text)
+        else:
+            value = None
+        spans = old.spans if span_start is None else old.spans[:-1]
+        span = Span(start, len(res.tokens), self, res.finish_reason, value)
+        return Row(res.tokens, res.handle, old.logprobs + res.logprobs, old.cursors + res.cursors,
+                   spans + (span,))
+
+    def _parse(self, cursor, text: str) -> Any:
+        constraint = getattr(cursor, "constraint", None) or self.constraint
+        try:
+            return constraint.parse(text)
+        except Exception:
+            return None
+
+    # -- calls --------------------------------------------------------------------------------
+    def _steps(self, prompt: Prompt, call: Call, resume: bool):
+        state = self._fork(self._state(prompt), call.num_samples)
+        span_starts: list[int | None] = [None] * len(state.rows)
+        cursors = []
+        for i, r in enumerate(state.rows):
+            last = r.last_span
+            if resume and last is not None and last.end == len(r.tokens) and r.cursors[-1] is not None:
+                cursors.append(r.cursors[-1])
+                span_starts[i] = last.start
+            else:
+                cursors.append(None if self.constraint is None else self.constraint.start())
+        results = yield from run(self.model, self._requests(state, call, cursors), call.sampler,
+                                 call.generator())
+        rows = [self._row(r, res, st) for r, res, st in zip(state.rows, results, span_starts)]
+        return SequenceState(self.model, tuple(rows), state.batch, state.samples)
+
+    def __call__(self, prompt: Prompt, **kwargs: Any) -> SequenceState:
+        """Generate from ``prompt``; keywords: max_tokens, stop_at, num_samples, sampler, seed, rng."""
+        return final_state(self.stream(prompt, **kwargs))
+
+    def resume(self, state: SequenceState, **kwargs: Any) -> SequenceState:
+        """Continue each row's last generator call exactly where the (sliced) state stands."""
+        return final_state(self._stream(state, kwargs, resume=True))
+
+    def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[str]:
+        """Yield text chunks as they are generated; the generator's return value is the state.
+
+        Use :func:`final_state` to drain it, or catch ``StopIteration.value``.
+        """
+        return self._stream(prompt, kwargs, resume=False)
+
+    def _stream(self, prompt: Prompt, kwargs: dict, resume: bool):
+        call = Call(**kwargs)
+        steps = self._steps(prompt, call, resume)
+        try:
+            while True:
+                for _, chunk in next(steps):
+                    yield chunk
+        except StopIteration as stop:
+            return stop.value
+
+
+def final_state(stream: Iterator[str]) -> SequenceState:
+    """Drain a ``gen.stream(...)`` iterator and return its final state."""
+    while True:
+        try:
+            next(stream)
+        except StopIteration as stop:
+            return stop.value
+
+
+# -- constructors ------------------------------------------------------------------------------
+def text(model: Model) -> Generator:
+    """Free text.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> model = ss.models.testing.tiny()
+    >>> ss.text(model)("Once upon a time", max_tokens=3).shape
+    (1, 1)
+    """
+    return Generator(model, None, "text")
+
+
+def choice(model: Model, options: Any) -> Generator:
+    """One of ``options`` (a list of str, a ``Literal[...]`` or an ``Enum``); value is the option."""
+    return Generator(model, compiled.choice(model, options), "choice")
+
+
+def regex(model: Model, pattern: str) -> Generator:
+    """Text matching ``pattern`` in full."""
+    return Generator(model, compiled.regex(model, pattern), "regex")
+
+
+def json(model: Model, schema: Any) -> Generator:
+    """JSON matching ``schema`` (a pydantic model, a dict or a JSON-schema string); value is parsed."""
+    return Generator(model, compiled.json_schema(model, schema), "json")
+
+
+def cfg(model: Model, grammar: str) -> Generator:
+    """Text in the language of a Lark grammar (see ``ss.grammars.load``)."""
+    return Generator(model, compiled.cfg(model, grammar), "cfg")
+
+
+_PY_TYPES = {int: r"-?(0|[1-9][0-9]*)", float: r"-?(0|[1-9][0-9]*)(\.[0-9]+)?",
+             bool: r"(true|false)"}
+
+
+def _for_output_type(model: Model, output_type: Any) -> Generator:
+    if output_type is None or output_type is str:
+        return text(model)
+    if output_type in _PY_TYPES:
+        return regex(model, _PY_TYPES[output_type])
+    if (typing.get_origin(output_type) is typing.Literal
+            or (isinstance(output_type, type) and issubclass(output_type, enum.Enum))
+            or isinstance(output_type, (list, tuple))):
+        return choice(model, output_type)
+    kind = type(output_type).__name__
+    if kind == "Regex":
+        return regex(model, output_type.pattern)
+    if kind == "CFG":
+        return cfg(model, output_type.definition)
+    if kind == "JsonSchema":
+        return json(model, output_type.schema)
+    return json(model, output_type)
+
+
+def continuous(generator_or_model: Any, output_type: Any = None) -> Generator:
+    """Wrap an outlines 1.x steerable generator, or ``(model, output_type)``, as a seqstate generator.
+
+    ``continuous(model, output_type)`` compiles ``output_type`` with seqstate's own byte-exact
+    compilation (str, int, float, bool, Literal, Enum, list of options, pydantic models, dicts,
+    outlines ``Regex``/``CFG``/``JsonSchema`` terms).  ``continuous(outlines.Generator(om, T))``
+    reuses the generator's compiled index or grammar on the same HF model.
+    """
+    if isinstance(generator_or_model, Model):
+        return _for_output_type(generator_or_model, output_type)
+    gen = generator_or_model
+    om = getattr(gen, "model", None)
+    if om is None or not hasattr(gen, "logits_processor"):
+        raise TypeError(f"continuous() takes an outlines steerable Generator or (seqstate model, "
+                        f"output_type), got {type(gen).__name__}")
+    model = getattr(om, "_seqstate_model", None)
+    if model is None:
+        from seqstate.models.loading import from_outlines
+
+        model = from_outlines(om)
+        om._seqstate_model = model          # the seqstate model (and its KV store) lives with om
+    proc = gen.logits_processor
+    if proc is None:
+        return text(model)
+    if hasattr(proc, "index"):
+        from seqstate.constraints.regex import RegexConstraint
+
+        return Generator(model, RegexConstraint.from_index(proc.index, model), "outlines")
+    if hasattr(proc, "grammar"):
+        from seqstate.constraints.grammar import GrammarConstraint
+
+        return Generator(model, GrammarConstraint.from_serialized(proc.grammar, model), "outlines")
+    raise TypeError(f"cannot wrap an outlines generator whose processor is {type(proc).__name__}; "
+                    "use continuous(model, output_type) instead")

@@ -1,0 +1,320 @@
+"""The frozen ``SequenceState``: rows of tokens with their KV, log-probs, cursors and spans."""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from seqstate.constraints.base import Cursor
+from seqstate.errors import BatchMismatch, ModelMismatch, SlicingError
+from seqstate.indexing import is_prefix, normalize, token_positions
+from seqstate.kv.store import KVHandle
+
+__all__ = ["SequenceState", "Row", "Span", "from_tokens"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Span:
+    """One generator call's tokens ``[start, end)`` in a row, and what it produced."""
+
+    start: int
+    end: int
+    generator: Any
+    finish_reason: str
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Row:
+    """One (batch, sample) row.  ``handle`` names the KV of a prefix of ``tokens`` (or None)."""
+
+    tokens: tuple[int, ...]
+    handle: KVHandle | None
+    logprobs: tuple[float | None, ...]
+    cursors: tuple[Cursor | None, ...]
+    spans: tuple[Span, ...] = ()
+
+    @property
+    def last_span(self) -> Span | None:
+        return self.spans[-1] if self.spans else None
+
+    def select(self, positions: range, keep_kv: bool) -> Row:
+        """The tokens at ``positions`` (a step-1 range or any range), spans clipped and shifted."""
+        toks = tuple(self.tokens[i] for i in positions)
+        lps = tuple(self.logprobs[i] for i in positions)
+        curs = tuple(self.cursors[i] for i in positions)
+        handle = None
+        if keep_kv and self.handle is not None:
+            handle = self.handle.prefix(len(toks))
+        spans = []
+        if positions.step == 1:
+            lo, hi = positions.start, positions.stop
+            for span in self.spans:
+                if span.end <= lo or span.start >= hi:
+                    continue
+                cut = dataclasses.replace(span, start=max(span.start, lo) - lo, end=min(span.end, hi) - lo)
+                if cut.end - cut.start != span.end - span.start:
+                    # a span cut short no longer carries its value: it is a different text now
+                    cut = dataclasses.replace(cut, value=None, finish_reason="sliced")
+                spans.append(cut)
+        return Row(toks, handle, lps, curs, tuple(spans))
+
+    def extended(self, tokens: Sequence[int], logprobs: Sequence[float | None] | None = None,
+                 cursors: Sequence[Cursor | None] | None = None, spans: Sequence[Span] = ()) -> Row:
+        n = len(tokens)
+        shift = len(self.tokens)
+        return Row(self.tokens + tuple(tokens), self.handle,
+                   self.logprobs + tuple(logprobs if logprobs is not None else [None] * n),
+                   self.cursors + tuple(cursors if cursors is not None else [None] * n),
+                   self.spans + tuple(dataclasses.replace(s, start=s.start + shift, end=s.end + shift)
+                                      for s in spans))
+
+
+def _nested(flat: list, batch: int, samples: int) -> list[list]:
+    return [flat[b * samples:(b + 1) * samples] for b in range(batch)]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class SequenceState:
+    """An immutable batch of token sequences, ``(batch, samples)`` rows, with their KV.
+
+    Build one with a generator (``ss.text(model)("prompt")``) or :func:`from_tokens`.  Every
+    operation returns a new state; the KV of shared prefixes is shared, never copied.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> model = ss.models.testing.tiny()
+    >>> s = ss.from_tokens(model, [model.encode("Hello world")])
+    >>> s.shape, str(s), str(s[:1])
+    ((1, 1), 'Hello world', 'Hello')
+    """
+
+    model: Any
+    rows: tuple[Row, ...]
+    batch: int
+    samples: int
+
+    def __post_init__(self) -> None:
+        if len(self.rows) != self.batch * self.samples:
+            raise ValueError(f"{len(self.rows)} rows do not make a {self.batch}x{self.samples} state")
+
+    # -- shape and contents -------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.batch, self.samples)
+
+    def row(self, b: int, s: int) -> Row:
+        return self.rows[b * self.samples + s]
+
+    def _text(self, row: Row) -> str:
+        return self.model.vocab.decode(row.tokens)
+
+    @property
+    def texts(self) -> list[list[str]]:
+        """Full texts, nested ``[batch][sample]``."""
+        return _nested([self._text(r) for r in self.rows], self.batch, self.samples)
+
+    @property
+    def token_ids(self) -> list[list[list[int]]]:
+        return _nested([list(r.tokens) for r in self.rows], self.batch, self.samples)
+
+    @property
+    def logprobs(self) -> list[list[list[float | None]]]:
+        """Per token log-probs; None where the model did not generate the token."""
+        return _nested([list(r.logprobs) for r in self.rows], self.batch, self.samples)
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """(batch, samples) sums of the log-probs of generated tokens."""
+        flat = [sum(lp for lp in r.logprobs if lp is not None) for r in self.rows]
+        return torch.tensor(flat, dtype=torch.float64).reshape(self.batch, self.samples)
+
+    def _per_row(self, values: list) -> Any:
+        return values[0] if len(values) == 1 else _nested(values, self.batch, self.samples)
+
+    @property
+    def value(self) -> Any:
+        """The last generator call's result per row (a scalar for a 1x1 state)."""
+        return self._per_row([r.last_span.value if r.last_span else None for r in self.rows])
+
+    @property
+    def finish_reason(self) -> Any:
+        """Why the last call ended per row: stop, eos, max_tokens, constraint_complete, dead_end."""
+        return self._per_row([r.last_span.finish_reason if r.last_span else None for r in self.rows])
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self):
+        """Texts, batch-major: b0s0, b0s1, ..., b1s0, ..."""
+        return (self._text(r) for r in self.rows)
+
+    def __str__(self) -> str:
+        return "\n".join(self)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SequenceState):
+            return NotImplemented
+        return self.shape == other.shape and [r.tokens for r in self.rows] == [r.tokens for r in other.rows]
+
+    def __hash__(self) -> int:
+        return hash((self.shape, tuple(r.tokens for r in self.rows)))
+
+    def __repr__(self) -> str:
+        lines = [f"SequenceState(shape={self.shape}, model={getattr(self.model, 'name', '?')!r}"]
+        for i, r in enumerate(self.rows[:8]):
+            text = self._text(r)
+            preview = text if len(text) <= 60 else text[:25] + " ... " + text[-30:]
+            lines.append(f"  [{i // self.samples},{i % self.samples}] {len(r.tokens):4d} tok  {preview!r}")
+        if len(self.rows) > 8:
+            lines.append(f"  ... {len(self.rows) - 8} more rows")
+        return "\n".join(lines) + ")"
+
+    def _repr_html_(self) -> str:
+        rows = []
+        for i, r in enumerate(self.rows):
+            cells = []
+            for t, lp in zip(r.tokens, r.logprobs):
+                piece = html.escape(self.model.vocab.token_bytes[t].decode("utf-8", "replace"))
+                if lp is None:
+                    cells.append(f"<span style='color:#555'>{piece}</span>")
+                else:
+                    p = min(1.0, max(0.0, float(torch.tensor(lp).exp())))
+                    cells.append(f"<span title='logprob {lp:.3f}' style='background:"
+                                 f"hsl({int(120 * p)},80%,85%)'>{piece}</span>")
+            rows.append(f"<div><b>[{i // self.samples},{i % self.samples}]</b> "
+                        f"<span style='white-space:pre-wrap;font-family:monospace'>{''.join(cells)}</span></div>")
+        return f"<div class='seqstate'><i>SequenceState {self.shape}</i>{''.join(rows)}</div>"
+
+    # -- indexing -----------------------------------------------------------------------------
+    def __getitem__(self, key: Any) -> SequenceState:
+        return self.slice(key)
+
+    def slice(self, key: Any, *, strict: bool = False) -> SequenceState:
+        """``state[key]``; with ``strict=True`` a token slice that cannot keep its KV raises."""
+        sel = normalize(key, self.shape)
+        prefix = is_prefix(sel.token)
+        if strict and not prefix:
+            raise SlicingError(f"token key {sel.token!r} is not a prefix slice (start 0, step 1), so "
+                               "its KV would be recomputed; use state[..., :n] or strict=False")
+        rows = []
+        for b in sel.batch:
+            for s in sel.samples:
+                row = self.row(b, s)
+                rows.append(row.select(token_positions(sel.token, len(row.tokens)), prefix))
+        return SequenceState(self.model, tuple(rows), len(sel.batch), len(sel.samples))
+
+    @property
+    def chars(self) -> _Chars:
+        """Character-level cuts: ``state.chars[:40]`` keeps the longest whole-token prefix of the
+        first 40 characters and re-encodes the rest."""
+        return _Chars(self)
+
+    # -- concatenation ------------------------------------------------------------------------
+    def _encode_each(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.model.encode(t) for t in texts]
+
+    def __add__(self, other: Any) -> SequenceState:
+        if isinstance(other, str):
+            toks = self.model.encode(other)
+            return self._with_rows([r.extended(toks) for r in self.rows])
+        if isinstance(other, SequenceState):
+            return _concat(self, other)
+        if isinstance(other, (list, tuple)) and all(isinstance(t, str) for t in other):
+            n = len(other)
+            if n == self.batch:
+                per_row = [other[i // self.samples] for i in range(len(self.rows))]
+            elif n == len(self.rows):
+                per_row = list(other)
+            else:
+                raise BatchMismatch(f"cannot add {n} strings to a state of shape {self.shape}: give "
+                                    f"{self.batch} (one per batch item) or {len(self.rows)} (one per row)")
+            return self._with_rows([r.extended(t) for r, t in zip(self.rows, self._encode_each(per_row))])
+        return NotImplemented
+
+    def __radd__(self, other: Any) -> SequenceState:
+        if isinstance(other, str):
+            toks = tuple(self.model.encode(other))
+            return self._with_rows([Row(toks, None, (None,) * len(toks), (None,) * len(toks))
+                                    .extended(r.tokens, r.logprobs, r.cursors, r.spans)
+                                    for r in self.rows])
+        return NotImplemented
+
+    def _with_rows(self, rows: Sequence[Row], batch: int | None = None,
+                   samples: int | None = None) -> SequenceState:
+        return SequenceState(self.model, tuple(rows), batch or self.batch, samples or self.samples)
+
+
+def _broadcast(a: int, b: int, axis: str, sa: tuple, sb: tuple) -> int:
+    if a == b or b == 1:
+        return a
+    if a == 1:
+        return b
+    raise BatchMismatch(f"cannot concatenate states of shapes {sa} and {sb}: {axis} sizes {a} and {b} "
+                        "differ and neither is 1; slice one side to match")
+
+
+def _concat(left: SequenceState, right: SequenceState) -> SequenceState:
+    if left.model is not right.model:
+        raise ModelMismatch(f"cannot concatenate a state of {left.model!r} with one of {right.model!r}")
+    batch = _broadcast(left.batch, right.batch, "batch", left.shape, right.shape)
+    samples = _broadcast(left.samples, right.samples, "sample", left.shape, right.shape)
+    rows = []
+    for b in range(batch):
+        for s in range(samples):
+            lr = left.row(b % left.batch, s % left.samples)
+            rr = right.row(b % right.batch, s % right.samples)
+            rows.append(lr.extended(rr.tokens, rr.logprobs, rr.cursors, rr.spans))
+    return SequenceState(left.model, tuple(rows), batch, samples)
+
+
+class _Chars:
+    __slots__ = ("state",)
+
+    def __init__(self, state: SequenceState) -> None:
+        self.state = state
+
+    def __getitem__(self, key: slice) -> SequenceState:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise SlicingError(f"chars takes a step-1 slice such as state.chars[:40], got {key!r}")
+        st = self.state
+        vocab = st.model.vocab
+        rows = []
+        for r in st.rows:
+            text = vocab.decode(r.tokens)
+            lo, hi, _ = key.indices(len(text))
+            if lo == 0:
+                k, rest = vocab.char_prefix_tokens(r.tokens, hi)
+                rows.append(r.select(range(k), keep_kv=True).extended(st.model.encode(rest)))
+            else:
+                toks = tuple(st.model.encode(text[lo:hi]))
+                rows.append(Row(toks, None, (None,) * len(toks), (None,) * len(toks)))
+        return st._with_rows(rows)
+
+
+def from_tokens(model: Any, token_ids: Sequence[Sequence[int]]) -> SequenceState:
+    """A ``(len(token_ids), 1)`` state of the given token ids; stored KV is found when generating.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> model = ss.models.testing.tiny()
+    >>> ss.from_tokens(model, [[1, 2, 3], [4]]).shape
+    (2, 1)
+    """
+    if not token_ids:
+        raise ValueError("from_tokens needs at least one row of token ids")
+    size = model.vocab.size
+    rows = []
+    for ids in token_ids:
+        ids = tuple(int(t) for t in ids)
+        bad = [t for t in ids if not 0 <= t < size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{size - 1})")
+        rows.append(Row(ids, None, (None,) * len(ids), (None,) * len(ids)))
+    return SequenceState(model, tuple(rows), len(rows), 1)
