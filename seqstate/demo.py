@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import time
 
-import torch
+from pydantic import BaseModel
 
-from seqstate.engine import RowRequest, generate
-from seqstate.models.hf import Model
-from seqstate.sampling import greedy, multinomial
+import seqstate as ss
 
 __all__ = ["run"]
+
+
+class Vehicle(BaseModel):
+    name: str
+    wheels: int
 
 
 def _timed(label: str, fn):
@@ -20,18 +23,23 @@ def _timed(label: str, fn):
     return out
 
 
-def run(model: Model) -> None:
-    """Print a chained program's output on ``model``."""
-    prompt = model.encode("Three facts about the ocean:\n1.")
-    first = _timed("generate", lambda: generate(model, [RowRequest(tuple(prompt), 24)], greedy()))[0]
-    print("1." + first.text)
+def run(model) -> None:
+    """Print a chained program mixing generators, a fork and a JSON value on ``model``."""
+    text = ss.text(model)
+    yes_no = ss.choice(model, ["yes", "no"])
+    vehicle = ss.json(model, Vehicle)
+
+    s = _timed("text", lambda: text("Q: name three vehicles.\nA:", max_tokens=30, stop_at="\n"))
+    print(f"text   -> {s.value!r}")
     before = model.stats
-    tokens = first.tokens + tuple(model.encode("\n2."))
-    second = _timed("continue", lambda: generate(model, [RowRequest(tokens, 24)], greedy()))[0]
+    s = _timed("choice", lambda: yes_no(s + "Is a bicycle one of them? Answer yes or no: "))
     d = model.stats - before
-    print("2." + second.text)
-    print(f"  [continuing prefilled {d.prefill_tokens} tokens, reused {d.cached_tokens_reused}]")
-    forks = _timed("fork x3", lambda: generate(model, [RowRequest(second.tokens, 12)] * 3,
-                                               multinomial(0.8), torch.Generator().manual_seed(0)))
-    for i, f in enumerate(forks):
-        print(f"  sample {i}: {f.text!r}")
+    print(f"choice -> {s.value!r}   (prefilled {d.prefill_tokens} new tokens, "
+          f"reused {d.cached_tokens_reused} from the KV store)")
+    s = _timed("json", lambda: vehicle(s + "\nA car as JSON: ", max_tokens=40))
+    print(f"json   -> {s.value!r}")
+    forks = _timed("fork x3", lambda: text(s + "\nOne more vehicle:", num_samples=3,
+                                           sampler=ss.multinomial(0.8), seed=0, max_tokens=8))
+    for i, v in enumerate(forks.value[0]):
+        print(f"sample {i} -> {v!r}")
+    print(f"state shape {forks.shape}; weights {[round(w, 2) for w in forks.weights[0].tolist()]}")
