@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(BIN)/python -m seqstate demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests docs README.md seqstate grammars --markdown-docs --doctest-modules
+	$(BIN)/python -m pytest -q tests docs README.md seqstate grammars --markdown-docs --markdown-docs-syntax=superfences --doctest-modules
 	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 docs: $(STAMP)
