@@ -10,15 +10,18 @@ from __future__ import annotations
 import dataclasses
 import enum
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from seqstate.constraints import compile as compiled
 from seqstate.detokenize import StopMatcher
+from seqstate.constraints.healing import HealingCursor, heal_span
+from seqstate.constraints.regex import RegexConstraint
 from seqstate.engine import RowRequest, RowResult, run
-from seqstate.errors import ContextOverflowError, ModelMismatch, SampleMismatch
+from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS
+from seqstate.errors import ConstraintError, ContextOverflowError, ModelMismatch, SampleMismatch
 from seqstate.models.hf import Model
 from seqstate.sampling.params import Greedy, Sampler
 from seqstate.state import Row, SequenceState, Span
@@ -38,8 +41,15 @@ class Call:
     sampler: Sampler = Greedy()
     seed: int | None = None
     rng: torch.Generator | None = None
+    hooks: Sequence[Callable] = ()
+    token_healing: bool = False
+    max_backtracks: int = DEFAULT_MAX_BACKTRACKS
 
     def __post_init__(self) -> None:
+        if not all(callable(h) for h in self.hooks):
+            raise TypeError(f"hooks must be callables taking a SampleEvent, got {self.hooks!r}")
+        if not isinstance(self.max_backtracks, int) or self.max_backtracks < 0:
+            raise ValueError(f"max_backtracks must be an int >= 0, got {self.max_backtracks!r}")
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool)
                                             or not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
             raise ValueError(f"max_tokens must be a positive int or None, got {self.max_tokens!r}")
@@ -126,13 +136,55 @@ class Generator:
             reqs.append(RowRequest(r.tokens, want, cursor, call.stops))
         return reqs
 
-    def _row(self, old: Row, res: RowResult, span_start: int | None) -> Row:
-        n_old = res.start
+    def _healed(self, row: Row) -> tuple[Row, str, Any]:
+        """Back up the row's trailing tokens for token healing: (kept row, removed text, cursor)."""
+        k = heal_span(self.model.vocab, row.tokens)
+        if k == 0:
+            return row, "", None if self.constraint is None else self.constraint.start()
+        removed = self.model.vocab.decode(row.tokens[-k:])
+        kept = row.select(range(len(row.tokens) - k), keep_kv=True)
+        if self.constraint is None:
+            return kept, removed, HealingCursor(self.model.vocab, removed.encode())
+        inner = self.constraint
+        if not isinstance(inner, RegexConstraint) or inner.pattern.startswith("<"):
+            raise ConstraintError("token_healing works with text, regex, choice and json generators; "
+                                  f"this {self.name} generator's constraint cannot be prefixed")
+        key = ("healed", removed, inner.pattern)
+        if key not in self.model.constraint_cache:
+            self.model.constraint_cache[key] = RegexConstraint(
+                compiled.escape(removed) + "(" + inner.pattern + ")", self.model,
+                parse=lambda t, n=len(removed): inner.parse(t[n:]))
+        return kept, removed, self.model.constraint_cache[key].start()
+
+    def _prepare(self, prompt: Prompt, call: Call, resume: bool):
+        """Rows to run, their requests, span starts (resume) and healed prefixes, before compute."""
+        state = self._fork(self._state(prompt), call.num_samples)
+        if resume and call.token_healing:
+            raise ValueError("resume() continues tokens already generated; token_healing does not apply")
+        rows, cursors, span_starts, healed = [], [], [], []
+        for r in state.rows:
+            last = r.last_span
+            removed = ""
+            if resume and last is not None and last.end == len(r.tokens) and r.cursors[-1] is not None:
+                cursor, start = r.cursors[-1], last.start
+            elif call.token_healing:
+                r, removed, cursor = self._healed(r)
+                start = None
+            else:
+                cursor, start = None if self.constraint is None else self.constraint.start(), None
+            rows.append(r)
+            cursors.append(cursor)
+            span_starts.append(start)
+            healed.append(removed)
+        state = SequenceState(self.model, tuple(rows), state.batch, state.samples)
+        return state, self._requests(state, call, cursors), span_starts, healed
+
+    def _row(self, old: Row, res: RowResult, span_start: int | None, healed: str) -> Row:
         cursor = res.cursors[-1] if res.cursors else None
-        start = n_old if span_start is None else span_start
+        start = res.start if span_start is None else span_start
         text = self.model.vocab.decode(res.tokens[start:]) if span_start is not None else res.text
         if self.constraint is None:
-            value = res.text
+            value = res.text[len(healed):]
         elif res.finish_reason == "constraint_complete" or (cursor is not None and cursor.accepting):
             value = self._parse(cursor, text)
         else:
@@ -150,46 +202,53 @@ class Generator:
             return None
 
     # -- calls --------------------------------------------------------------------------------
-    def _steps(self, prompt: Prompt, call: Call, resume: bool):
-        state = self._fork(self._state(prompt), call.num_samples)
-        span_starts: list[int | None] = [None] * len(state.rows)
-        cursors = []
-        for i, r in enumerate(state.rows):
-            last = r.last_span
-            if resume and last is not None and last.end == len(r.tokens) and r.cursors[-1] is not None:
-                cursors.append(r.cursors[-1])
-                span_starts[i] = last.start
-            else:
-                cursors.append(None if self.constraint is None else self.constraint.start())
-        results = yield from run(self.model, self._requests(state, call, cursors), call.sampler,
-                                 call.generator())
-        rows = [self._row(r, res, st) for r, res, st in zip(state.rows, results, span_starts)]
-        return SequenceState(self.model, tuple(rows), state.batch, state.samples)
-
     def __call__(self, prompt: Prompt, **kwargs: Any) -> SequenceState:
-        """Generate from ``prompt``; keywords: max_tokens, stop_at, num_samples, sampler, seed, rng."""
+        """Generate from ``prompt``.
+
+        Keywords: ``max_tokens``, ``stop_at``, ``num_samples``, ``sampler``, ``seed``, ``rng``,
+        ``hooks``, ``token_healing``, ``max_backtracks``.
+        """
         return final_state(self.stream(prompt, **kwargs))
 
     def resume(self, state: SequenceState, **kwargs: Any) -> SequenceState:
         """Continue each row's last generator call exactly where the (sliced) state stands."""
         return final_state(self._stream(state, kwargs, resume=True))
 
-    def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[str]:
-        """Yield text chunks as they are generated; the generator's return value is the state.
+    def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[Any]:
+        """Yield generated text as it is produced; the iterator's return value is the final state.
 
-        Use :func:`final_state` to drain it, or catch ``StopIteration.value``.
+        Chunks never split a character and never contain text that may still turn out to be the
+        start of a stop string (or, for hooks with a ``lookback``, text they may still roll
+        back); concatenated, a row's chunks equal its generated text without the stop string.
+        A 1x1 state yields ``str`` chunks, a larger one ``(batch, sample, str)`` tuples.
+        :func:`final_state` drains the iterator and returns the state.
         """
         return self._stream(prompt, kwargs, resume=False)
 
     def _stream(self, prompt: Prompt, kwargs: dict, resume: bool):
         call = Call(**kwargs)
-        steps = self._steps(prompt, call, resume)
+        state, requests, span_starts, healed = self._prepare(prompt, call, resume)
+        steps = run(self.model, requests, call.sampler, call.generator(), call.hooks, call.max_backtracks)
+        hold = max((getattr(h, "lookback", 0) for h in call.hooks), default=0)
+        stops = call.stops
+        emitted = [0] * len(requests)
         try:
             while True:
-                for _, chunk in next(steps):
-                    yield chunk
+                live = next(steps)
+                for i, r in enumerate(live):
+                    visible = r.text[len(healed[i]):] if len(r.text) >= len(healed[i]) else ""
+                    if r.done:
+                        end = len(visible) if r.value_end is None else r.value_end - len(healed[i])
+                    else:
+                        end = len(visible) - max(hold, stops.holdback(visible) if stops else 0)
+                    if end > emitted[i]:
+                        chunk = visible[emitted[i]:end]
+                        emitted[i] = end
+                        yield chunk if len(requests) == 1 else (i // state.samples, i % state.samples, chunk)
         except StopIteration as stop:
-            return stop.value
+            results = stop.value
+        rows = [self._row(r, res, st, h) for r, res, st, h in zip(state.rows, results, span_starts, healed)]
+        return SequenceState(self.model, tuple(rows), state.batch, state.samples)
 
 
 def final_state(stream: Iterator[str]) -> SequenceState:

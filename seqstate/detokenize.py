@@ -6,6 +6,7 @@ over two tokens is never mangled, and character offsets map back to token bounda
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import json
 import re
@@ -74,6 +75,30 @@ class TokenVocabulary:
             else:
                 out.append(piece.replace("\u2581", " ").encode())
         return out
+
+    @cached_property
+    def sorted_bytes(self) -> tuple[list[bytes], list[int]]:
+        """Token bytes in sorted order with their ids: tokens sharing a prefix are contiguous."""
+        pairs = sorted((b, i) for i, b in enumerate(self.token_bytes)
+                       if b and i not in self.special_ids)
+        return [b for b, _ in pairs], [i for _, i in pairs]
+
+    def ids_with_prefix(self, prefix: bytes) -> list[int]:
+        """Ids of the (non-special) tokens whose bytes start with ``prefix``."""
+        keys, ids = self.sorted_bytes
+        lo = bisect.bisect_left(keys, prefix)
+        hi = lo
+        while hi < len(keys) and keys[hi].startswith(prefix):
+            hi += 1
+        return ids[lo:hi]
+
+    def ids_of(self, piece: bytes) -> list[int]:
+        """Ids of the (non-special) tokens whose bytes are exactly ``piece``."""
+        keys, ids = self.sorted_bytes
+        lo = hi = bisect.bisect_left(keys, piece)
+        while hi < len(keys) and keys[hi] == piece:
+            hi += 1
+        return ids[lo:hi]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added)."""

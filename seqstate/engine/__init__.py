@@ -3,5 +3,7 @@
 from seqstate.engine.decode import generate, next_logits, run
 from seqstate.engine.prefill import ensure_kv
 from seqstate.engine.rows import RowRequest, RowResult
+from seqstate.engine.step import StepEvent, Stepper
 
-__all__ = ["generate", "run", "next_logits", "ensure_kv", "RowRequest", "RowResult"]
+__all__ = ["generate", "run", "next_logits", "ensure_kv", "RowRequest", "RowResult", "Stepper",
+           "StepEvent"]

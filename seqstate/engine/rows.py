@@ -30,25 +30,28 @@ class RowResult:
     cursors: tuple[Cursor | None, ...]        # per new token: the constraint cursor after it
     finish_reason: str
     text: str                                 # generated text, without a matched stop string
-    handle: KVHandle                          # KV of a prefix of `tokens` (all but the last)
+    handle: KVHandle | None                   # KV of a prefix of `tokens` (None from a Stepper)
 
 
 class LiveRow:
     """Mutable per-row bookkeeping inside one engine call; never escapes it."""
 
-    def __init__(self, req: RowRequest, handle: KVHandle, vocab: TokenVocabulary,
-                 eos: frozenset[int]) -> None:
+    def __init__(self, req: RowRequest, vocab: TokenVocabulary, eos: frozenset[int],
+                 handle: KVHandle | None = None) -> None:
         self.req = req
         self.vocab = vocab
         self.eos = eos
         self.tokens = list(req.tokens)
         self.start = len(req.tokens)
-        self.handle = handle                  # KV of tokens[:base]
-        self.base = handle.length
-        self.fed = 0                          # tokens[base: base + fed] have KV in the buffer
+        self.handle = handle                  # KV of tokens[:base] in the store
+        self.base = 0 if handle is None else handle.length
+        self.cols: list[int] = []             # decode-buffer columns of tokens[base:], in order
         self.cursor = req.cursor
         self.logprobs: list[float | None] = []
         self.cursors: list[Cursor | None] = []
+        self.offsets: list[int] = []          # where each generated token starts in `text`
+        self.bans: dict[int, set[int]] = {}   # position -> tokens a hook banned there
+        self.backtracks = 0
         self.decoder = IncrementalDecoder(vocab)
         self.text = ""
         self.value_end: int | None = None
@@ -77,6 +80,7 @@ class LiveRow:
         if self.cursor is not None:
             self.cursor = self.cursor.advance(token)
         self.cursors.append(self.cursor)
+        self.offsets.append(len(self.text))
         chunk = self.decoder.push(token)
         self.text += chunk
         stop = self.req.stop
@@ -91,6 +95,19 @@ class LiveRow:
         elif len(self.tokens) - self.start >= self.req.max_new:
             self.finish("max_tokens")
         return chunk
+
+    def rollback(self, n: int) -> None:
+        """Drop the last ``n`` generated tokens and ban, at the first dropped position, the token
+        that stood there.  Cursor, log-probs and detokenizer go back with them."""
+        keep = len(self.tokens) - n
+        self.bans.setdefault(keep, set()).add(self.tokens[keep])
+        del self.tokens[keep:]
+        k = keep - self.start
+        del self.logprobs[k:], self.cursors[k:]
+        del self.offsets[k:]
+        self.cursor = self.cursors[-1] if self.cursors else self.req.cursor
+        self.decoder = IncrementalDecoder(self.vocab)
+        self.text = "".join(self.decoder.push(t) for t in self.generated)
 
     def _cut_at(self, begin: int, end: int) -> None:
         """End the row right after the stop string; the value excludes it.
@@ -114,9 +131,9 @@ class LiveRow:
 
     def kv_valid(self) -> int:
         """How many leading tokens of ``tokens`` the buffer + handle hold KV for."""
-        return min(self.base + self.fed, len(self.tokens) - 1, self.kv_limit)
+        return min(self.base + len(self.cols), len(self.tokens) - 1, self.kv_limit)
 
-    def result(self, handle: KVHandle) -> RowResult:
+    def result(self, handle: KVHandle | None) -> RowResult:
         text = self.text if self.value_end is None else self.text[: self.value_end]
         return RowResult(tuple(self.tokens), self.start, tuple(self.logprobs),
                          tuple(self.cursors), self.finish_reason or "max_tokens", text, handle)

@@ -52,6 +52,13 @@ class KVBuffer:
         """An owned copy of ``row``'s columns ``[lo, hi)``: ``(layers, 2, kv_heads, n, head_dim)``."""
         return self.data[:, :, row, :, lo:hi].clone()
 
+    def gather(self, row: int, columns: list[int]) -> torch.Tensor:
+        """An owned copy of ``row``'s ``columns`` in order (rows with rollback holes)."""
+        if columns and columns[-1] - columns[0] == len(columns) - 1:
+            return self.take(row, columns[0], columns[-1] + 1)
+        index = torch.tensor(columns, dtype=torch.long, device=self.data.device)
+        return self.data[:, :, row].index_select(3, index)
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop every row not in ``rows`` (finished rows stop costing compute)."""
         self.data = self.data.index_select(2, rows)

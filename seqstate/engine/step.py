@@ -1,0 +1,173 @@
+"""One decoding step after the forward: constrain -> sample -> hooks -> accept.
+
+:class:`Stepper` is the engine's own step, usable on its own: feed it logits you computed
+(``stepper.step(logits)``) and reuse sampling, constraints, hooks, stop strings and
+detokenization.  It knows nothing about KV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from seqstate.engine.rows import LiveRow, RowRequest, RowResult
+from seqstate.errors import HookError
+from seqstate.hooks import Accept, Replace, Resample, Rollback, SampleEvent
+from seqstate.sampling.params import Greedy, Sampler
+
+__all__ = ["Stepper", "StepEvent", "DEFAULT_MAX_BACKTRACKS"]
+
+DEFAULT_MAX_BACKTRACKS = 32
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepEvent:
+    """What one step did to one row."""
+
+    row: int
+    token: int | None          # the accepted token (None after a rollback or when finishing)
+    text: str                  # text this step added (UTF-8 safe)
+    rolled_back: int = 0       # generated tokens removed by a hook
+    finish_reason: str | None = None
+
+
+class Stepper:
+    """Sampling, constraints, hooks and stop handling over logits computed by the caller.
+
+    Parameters
+    ----------
+    model:
+        Supplies the vocabulary and EOS ids.
+    requests:
+        One :class:`~seqstate.engine.RowRequest` per row (or plain token lists, unconstrained,
+        with ``max_new`` 64).
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> model = ss.models.testing.tiny()
+    >>> stepper = ss.engine.Stepper(model, [model.encode("Hi")])
+    >>> while not stepper.done:
+    ...     rows = [model.full_logits(stepper.tokens(i))[-1] for i in stepper.live]
+    ...     events = stepper.step(torch.stack(rows))
+    >>> len(stepper.results()[0].tokens) > 1
+    True
+    """
+
+    def __init__(self, model, requests: Sequence[RowRequest | Sequence[int]], sampler: Sampler = Greedy(),
+                 rng: torch.Generator | None = None, hooks: Sequence = (),
+                 max_backtracks: int = DEFAULT_MAX_BACKTRACKS, rows: Sequence[LiveRow] | None = None) -> None:
+        reqs = [r if isinstance(r, RowRequest) else RowRequest(tuple(r), 64) for r in requests]
+        self.rows = list(rows) if rows is not None else [LiveRow(r, model.vocab, model.eos_token_ids)
+                                                         for r in reqs]
+        self.vocab = model.vocab
+        self.sampler, self.rng = sampler, rng
+        self.hooks = tuple(hooks)
+        self.max_backtracks = max_backtracks
+
+    @property
+    def live(self) -> list[int]:
+        """Rows that need logits this step, in the order ``step`` expects them."""
+        return [i for i, r in enumerate(self.rows) if not r.done]
+
+    @property
+    def done(self) -> bool:
+        return all(r.done for r in self.rows)
+
+    def tokens(self, i: int) -> list[int]:
+        """Row ``i``'s tokens so far (the logits to feed are the next token's after these)."""
+        return list(self.rows[i].tokens)
+
+    def results(self, handles: Sequence | None = None) -> list[RowResult]:
+        return [r.result(handles[i] if handles else None) for i, r in enumerate(self.rows)]
+
+    # -- the step -----------------------------------------------------------------------------
+    def _allowed(self, row: LiveRow, vocab_size: int) -> torch.Tensor | None:
+        """Bool mask (V,) of the row's allowed tokens, or None when anything goes."""
+        banned = row.bans.get(len(row.tokens))
+        if row.cursor is None and not banned:
+            return None
+        mask = torch.ones(vocab_size, dtype=torch.bool)                   # (V,)
+        if row.cursor is not None:
+            allowed = row.cursor.allowed()                                  # (V_tok,)
+            mask[: allowed.shape[0]] = allowed
+            mask[allowed.shape[0]:] = False
+        if banned:
+            mask[list(banned)] = False
+        return mask
+
+    def step(self, logits: torch.Tensor) -> list[StepEvent]:
+        """Advance every live row by one token given its logits (B_live, V), in ``live`` order."""
+        live = self.live
+        if logits.shape[0] != len(live):
+            raise ValueError(f"expected logits for {len(live)} live rows, got {logits.shape[0]}")
+        if not torch.isfinite(logits).any(dim=-1).all():
+            raise ValueError("a row's logits are all NaN/inf; check the model or the custom step")
+        logits = logits.float()
+        # 1. constrain: disallowed tokens get -inf; a row with nothing allowed is a dead end
+        logprobs = logits.log_softmax(dim=-1)                                           # (B, V)
+        masks = [self._allowed(self.rows[i], logits.shape[-1]) for i in live]
+        masked = logits.clone()
+        events = []
+        for j, (i, m) in enumerate(zip(live, masks)):
+            if m is not None:
+                if not m.any():
+                    self.rows[i].finish("dead_end")
+                    events.append(StepEvent(i, None, "", finish_reason="dead_end"))
+                    m = torch.ones_like(m)
+                masked[j].masked_fill_(~m, float("-inf"))
+        # 2. sample every row at once
+        chosen = self.sampler.choose(masked, self.rng).tolist()                         # (B,)
+        # 3. hooks may replace, resample or roll back; 4. accept
+        for j, i in enumerate(live):
+            row = self.rows[i]
+            if row.done:
+                continue
+            token, rolled = self._run_hooks(row, i, chosen[j], logits[j], logprobs[j], masked[j])
+            if row.done or rolled:
+                events.append(StepEvent(i, None, "", rolled, row.finish_reason))
+                continue
+            before = len(row.tokens)
+            chunk = row.accept(token, logprobs[j, token].item())
+            accepted = token if len(row.tokens) > before else None   # EOS is not appended
+            events.append(StepEvent(i, accepted, chunk, 0, row.finish_reason))
+        return events
+
+    def _run_hooks(self, row: LiveRow, i: int, token: int, logits: torch.Tensor,
+                   logprobs: torch.Tensor, masked: torch.Tensor) -> tuple[int, int]:
+        """Apply hooks until they accept; returns (token, tokens rolled back)."""
+        for hook in self.hooks:
+            while True:
+                event = SampleEvent(i, len(row.tokens), token, logprobs[token].item(), logits,
+                                    row.text, self.vocab.decode([token]), row.generated, row.offsets)
+                action = hook(event)
+                if action is None or isinstance(action, Accept):
+                    break
+                if isinstance(action, Replace):
+                    if not torch.isfinite(masked[action.token]):
+                        raise HookError(f"hook {hook!r} replaced token {token} with {action.token}, "
+                                        "which the active constraint (or a ban) does not allow here")
+                    token = action.token
+                    break
+                if not isinstance(action, (Resample, Rollback)):
+                    raise HookError(f"hook {hook!r} returned {action!r}; expected None, Accept, "
+                                    "Replace, Resample or Rollback")
+                row.backtracks += 1
+                if row.backtracks > self.max_backtracks:
+                    row.finish("max_backtracks")
+                    return token, 0
+                if isinstance(action, Rollback) and action.n > 0:
+                    if action.n > len(row.generated):
+                        raise HookError(f"hook {hook!r} asked to roll back {action.n} tokens but this "
+                                        f"call has generated only {len(row.generated)}")
+                    row.rollback(action.n)
+                    return token, action.n
+                masked[list(action.ban or (token,))] = float("-inf")
+                if not torch.isfinite(masked).any():
+                    row.finish("dead_end")
+                    return token, 0
+                row.bans.setdefault(len(row.tokens), set()).update(action.ban or (token,))
+                token = int(self.sampler.choose(masked[None], self.rng)[0])
+        return token, 0

@@ -1,0 +1,139 @@
+"""Post-sampling hooks: look at each sampled token and accept, replace, resample or roll back.
+
+A hook is any callable ``hook(event) -> action``; returning ``None`` accepts the token.  Every
+resample or rollback counts against the call's ``max_backtracks``; a row that exceeds it finishes
+with ``finish_reason="max_backtracks"``.  Rolling back crops the row's KV (the dropped positions
+are masked, never recomputed by a prefill), its constraint cursor, log-probs and detokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from functools import cached_property
+from typing import Protocol
+
+import torch
+
+__all__ = ["SampleEvent", "Accept", "Replace", "Resample", "Rollback", "Action", "Hook",
+           "ban_phrases"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Accept:
+    """Keep the sampled token (the same as returning None)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Replace:
+    """Use ``token`` instead; it must satisfy the row's active constraint."""
+
+    token: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Resample:
+    """Sample again at this position with ``ban`` (default: the sampled token) excluded."""
+
+    ban: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rollback:
+    """Drop the sampled token and the last ``n`` accepted tokens of this call, then resample at
+    the first dropped position with the token that stood there banned."""
+
+    n: int
+
+
+Action = Accept | Replace | Resample | Rollback | None
+
+
+class SampleEvent:
+    """What a hook sees: one row's sampled token at one position.
+
+    Attributes
+    ----------
+    row: index of the row in the call (batch-major).
+    position: index the token would take in the row.
+    token, logprob: the sampled token and its log-prob under the model.
+    logits: the model's logits (V,) at this position (read-only: a view).
+    text: this call's generated text before the token; ``token_text`` is the token's text.
+    generated: this call's accepted tokens so far; ``offsets[i]`` is where token i starts in text.
+    """
+
+    __slots__ = ("row", "position", "token", "logprob", "logits", "text", "token_text",
+                 "generated", "offsets", "__dict__")
+
+    def __init__(self, row: int, position: int, token: int, logprob: float, logits: torch.Tensor,
+                 text: str, token_text: str, generated: Sequence[int], offsets: Sequence[int]) -> None:
+        self.row, self.position, self.token, self.logprob = row, position, token, logprob
+        self.logits, self.text, self.token_text = logits, text, token_text
+        self.generated, self.offsets = generated, offsets
+
+    @property
+    def prob(self) -> float:
+        return float(torch.tensor(self.logprob).exp())
+
+    @cached_property
+    def top(self) -> list[tuple[int, float]]:
+        """The 5 most likely tokens and their probabilities (computed on first access)."""
+        p = self.logits.float().softmax(-1)
+        v, i = p.topk(5)
+        return list(zip(i.tolist(), v.tolist()))
+
+
+class Hook(Protocol):
+    def __call__(self, event: SampleEvent) -> Action: ...
+
+
+class _BanPhrases:
+    """The hook behind :func:`ban_phrases` (a callable object so streams can read ``lookback``)."""
+
+    def __init__(self, pattern: re.Pattern, lookback: int) -> None:
+        self.pattern = pattern
+        self.lookback = lookback
+
+    def __call__(self, event: SampleEvent) -> Action:
+        text = event.text + event.token_text
+        start = max(0, len(event.text) - self.lookback)
+        m = self.pattern.search(text, start)
+        if m is None or m.end() <= len(event.text):
+            return None
+        begin = m.start()
+        if begin >= len(event.text):
+            return Resample((event.token,))
+        # roll back to the accepted token that contains the start of the phrase
+        first = max(i for i, off in enumerate(event.offsets) if off <= begin)
+        return Rollback(len(event.generated) - first)
+
+
+def ban_phrases(phrases: Sequence[str], *, regex: bool = False, ignore_case: bool = True,
+                lookback: int = 200) -> Callable[[SampleEvent], Action]:
+    """A hook that never lets the generated text contain any of ``phrases``.
+
+    Matching runs across token boundaries: when a phrase completes, the row rolls back to the
+    token where it started (KV and constraint state included) and resamples there with that
+    token banned.  With ``regex=True`` the phrases are regular expressions; ``lookback`` bounds
+    how far back (in characters) a match may start.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> hook = ss.hooks.ban_phrases(["tapestry", "delve"])
+    >>> hook.lookback
+    8
+    """
+    if isinstance(phrases, str) or not phrases or not all(isinstance(p, str) and p for p in phrases):
+        from seqstate.errors import ConstraintError
+
+        raise ConstraintError(f"ban_phrases needs a non-empty list of non-empty strings, got {phrases!r}")
+    body = "|".join(phrases if regex else sorted(map(re.escape, phrases), key=len, reverse=True))
+    try:
+        pattern = re.compile(body, re.IGNORECASE if ignore_case else 0)
+    except re.error as exc:
+        from seqstate.errors import ConstraintError
+
+        raise ConstraintError(f"invalid banned-phrase regex: {exc}") from exc
+    return _BanPhrases(pattern, lookback if regex else max(map(len, phrases)))
