@@ -6,12 +6,12 @@ from seqstate.continuous import (Generator, cfg, choice, continuous, final_state
 from seqstate.errors import (BatchMismatch, ConstraintError, ContextOverflowError, HookError,
                              ModelMismatch, ModelNotAvailable, SampleMismatch, SeqStateError,
                              SlicingError)
-from seqstate.sampling import greedy, multinomial
+from seqstate.sampling import beam_search, greedy, multinomial
 from seqstate.state import SequenceState, from_tokens
 
 __all__ = [
     "SequenceState", "from_tokens", "Generator", "text", "choice", "regex", "json", "cfg",
-    "continuous", "final_state", "greedy", "multinomial",
+    "continuous", "final_state", "greedy", "multinomial", "beam_search",
     "models", "engine", "kv", "sampling", "constraints", "grammars", "hooks",
     "SeqStateError", "SlicingError", "BatchMismatch", "SampleMismatch", "ModelMismatch",
     "ConstraintError", "ContextOverflowError", "ModelNotAvailable", "HookError",

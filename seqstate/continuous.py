@@ -23,7 +23,9 @@ from seqstate.engine import RowRequest, RowResult, run
 from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS
 from seqstate.errors import ConstraintError, ContextOverflowError, ModelMismatch, SampleMismatch
 from seqstate.models.hf import Model
-from seqstate.sampling.params import Greedy, Sampler
+from seqstate.engine.beam import beam_run
+from seqstate.engine.score import score_continuations
+from seqstate.sampling.params import BeamSearch, Greedy, Sampler
 from seqstate.state import Row, SequenceState, Span
 
 __all__ = ["Generator", "text", "choice", "regex", "json", "cfg", "continuous", "final_state"]
@@ -225,8 +227,43 @@ class Generator:
         """
         return self._stream(prompt, kwargs, resume=False)
 
+    def _beam(self, prompt: Prompt, call: Call, resume: bool) -> SequenceState:
+        """Beam search over each batch item's samples; returns up to ``width`` samples each."""
+        params = call.sampler
+        if call.num_samples not in (None, params.width):
+            raise SampleMismatch(f"beam search returns width={params.width} samples per batch item; "
+                                 f"got num_samples={call.num_samples} (leave it out)")
+        if call.hooks:
+            raise ValueError("hooks are not supported with beam search yet; use greedy or multinomial")
+        state, requests, span_starts, healed = self._prepare(
+            prompt, dataclasses.replace(call, num_samples=None), resume)
+        groups = []
+        for b in range(state.batch):
+            beams, seen = [], set()
+            for s in range(state.samples):
+                i = b * state.samples + s
+                row = state.rows[i]
+                if row.tokens in seen:
+                    continue
+                seen.add(row.tokens)
+                weight = sum(lp for lp in row.logprobs if lp is not None)
+                length = sum(lp is not None for lp in row.logprobs)
+                beams.append((requests[i], weight, length, i))
+            groups.append(beams)
+        runner = beam_run(self.model, [[g[:3] for g in beams] for beams in groups], params)
+        results = final_state(runner)
+        samples = min(len(r) for r in results)
+        rows = []
+        for beams, found in zip(groups, results):
+            for res, _, origin in found[:samples]:
+                i = beams[origin][3]
+                rows.append(self._row(state.rows[i], res, span_starts[i], healed[i]))
+        return SequenceState(self.model, tuple(rows), state.batch, samples)
+
     def _stream(self, prompt: Prompt, kwargs: dict, resume: bool):
         call = Call(**kwargs)
+        if isinstance(call.sampler, BeamSearch):
+            return self._beam(prompt, call, resume)       # streams nothing until it is done
         state, requests, span_starts, healed = self._prepare(prompt, call, resume)
         steps = run(self.model, requests, call.sampler, call.generator(), call.hooks, call.max_backtracks)
         hold = max((getattr(h, "lookback", 0) for h in call.hooks), default=0)
@@ -274,8 +311,49 @@ def text(model: Model) -> Generator:
     return Generator(model, None, "text")
 
 
-def choice(model: Model, options: Any) -> Generator:
-    """One of ``options`` (a list of str, a ``Literal[...]`` or an ``Enum``); value is the option."""
+class ScoredChoice(Generator):
+    """``choice(..., method="score")``: rank whole options by their log-prob given the state."""
+
+    def __init__(self, model: Model, options: Any, length_normalize: bool) -> None:
+        super().__init__(model, None, "choice(score)")
+        self.texts, self.values = compiled.options_of(options)
+        self.option_ids = [model.encode(t) for t in self.texts]
+        self.length_normalize = length_normalize
+
+    def _stream(self, prompt: Prompt, kwargs: dict, resume: bool):
+        call = Call(**kwargs)
+        if resume:
+            raise ValueError("a scored choice has nothing to resume; call it again instead")
+        state = self._fork(self._state(prompt), call.num_samples)
+        self._requests(state, Call(max_tokens=max(map(len, self.option_ids))), [None] * len(state.rows))
+        scored = score_continuations(self.model, [r.tokens for r in state.rows], self.option_ids)
+        rows = []
+        for row, per_option in zip(state.rows, scored):
+            scores = {t: (sum(lps) / len(lps) if self.length_normalize else sum(lps))
+                      for t, (lps, _) in zip(self.texts, per_option)}
+            best = max(range(len(self.texts)), key=lambda j: scores[self.texts[j]])
+            lps, handle = per_option[best]
+            span = Span(len(row.tokens), len(row.tokens) + len(lps), self, "scored",
+                        self.values[best], scores)
+            rows.append(Row(row.tokens + tuple(self.option_ids[best]), handle,
+                            row.logprobs + tuple(lps), row.cursors + (None,) * len(lps),
+                            row.spans + (span,)))
+        return SequenceState(self.model, tuple(rows), state.batch, state.samples)
+        yield  # a generator function, like Generator._stream: scoring streams nothing
+
+
+def choice(model: Model, options: Any, *, method: str = "generate",
+           length_normalize: bool = True) -> Generator:
+    """One of ``options`` (a list of str, a ``Literal[...]`` or an ``Enum``); value is the option.
+
+    ``method="generate"`` (default) decodes under the options' constraint.  ``method="score"``
+    ranks every whole option by its log-prob given the state (mean per token with
+    ``length_normalize``, else the sum), in one batched prefill; ``state.scores`` holds them.
+    """
+    if method == "score":
+        return ScoredChoice(model, options, length_normalize)
+    if method != "generate":
+        raise ValueError(f"method must be 'generate' or 'score', got {method!r}")
     return Generator(model, compiled.choice(model, options), "choice")
 
 

@@ -149,6 +149,11 @@ class IncrementalDecoder:
     def flush(self) -> str:
         return self._dec.decode(b"", final=True)
 
+    def copy(self) -> IncrementalDecoder:
+        twin = IncrementalDecoder(self._vocab)
+        twin._dec.setstate(self._dec.getstate())
+        return twin
+
 
 class StopMatcher:
     """Finds stop strings in generated text, across token boundaries.

@@ -26,6 +26,7 @@ class Span:
     generator: Any
     finish_reason: str
     value: Any
+    scores: dict[str, float] | None = None      # option scoring: every option's score
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -141,6 +142,11 @@ class SequenceState:
     def value(self) -> Any:
         """The last generator call's result per row (a scalar for a 1x1 state)."""
         return self._per_row([r.last_span.value if r.last_span else None for r in self.rows])
+
+    @property
+    def scores(self) -> Any:
+        """Option scores of the last call per row (``choice(..., method="score")``), else None."""
+        return self._per_row([r.last_span.scores if r.last_span else None for r in self.rows])
 
     @property
     def finish_reason(self) -> Any:

@@ -17,7 +17,7 @@ from seqstate.kv.hf_cache import as_cache
 from seqstate.kv.store import KVHandle
 from seqstate.models.hf import Model
 
-__all__ = ["ensure_kv", "SHARED_PREFIX_MIN", "PREFILL_CHUNK", "PREFILL_BATCH_TOKENS"]
+__all__ = ["ensure_kv", "run_tails", "SHARED_PREFIX_MIN", "PREFILL_CHUNK", "PREFILL_BATCH_TOKENS"]
 
 SHARED_PREFIX_MIN = 16        # a shared uncached prefix this long is prefilled once for all
 PREFILL_CHUNK = 1024          # longest tail run in one forward (longer tails run in chunks)
@@ -44,10 +44,12 @@ def _shared_prefixes(targets: list[tuple[int, ...]], cached: list[int]) -> list[
     return [p for p in shared if not any(q != p and p[:len(q)] == q for q in shared)]
 
 
-def _run(model: Model, rows: list[tuple[tuple[int, ...], KVHandle]]) -> list[KVHandle]:
+def run_tails(model: Model, rows: Sequence[tuple[Sequence[int], KVHandle]], *,
+              logits: bool = False) -> tuple[list[KVHandle], torch.Tensor | None]:
     """One batched forward over the next chunk of each row's uncached tail; stores the KV.
 
-    Returns handles on the new KV, which the caller holds so eviction cannot drop it mid-call.
+    Returns handles on the new KV (the caller holds them so eviction cannot drop it mid-call)
+    and, with ``logits=True``, the logits (B, T, V) of every tail position, left-padded.
     """
     store = model.store
     tails = [tokens[h.length: h.length + PREFILL_CHUNK] for tokens, h in rows]
@@ -66,11 +68,12 @@ def _run(model: Model, rows: list[tuple[tuple[int, ...], KVHandle]]) -> list[KVH
         mask[i, past + width - len(tail):] = 1
     buf.length = past
     padded = not bool(mask.all())
-    model.forward(ids.to(model.device), mask.to(model.device) if padded else None, pos.to(model.device),
-                  as_cache(buf), logits=False)
+    out = model.forward(ids.to(model.device), mask.to(model.device) if padded else None,
+                        pos.to(model.device), as_cache(buf), logits="all" if logits else False)
     model.count(prefill_tokens=sum(len(t) for t in tails))
-    return [store.extend(tokens, h.length, buf.take(i, past + width - len(tail), past + width))
-            for i, ((tokens, h), tail) in enumerate(zip(rows, tails))]
+    handles = [store.extend(tokens, h.length, buf.take(i, past + width - len(tail), past + width))
+               for i, ((tokens, h), tail) in enumerate(zip(rows, tails))]
+    return handles, out
 
 
 def _prefill(model: Model, targets: list[tuple[int, ...]], pins: list[KVHandle]) -> None:
@@ -91,10 +94,10 @@ def _prefill(model: Model, targets: list[tuple[int, ...]], pins: list[KVHandle])
             cols = max(h.length for _, h in grown) + min(
                 max(len(t) - h.length for t, h in grown), PREFILL_CHUNK)
             if batch and len(grown) * cols > PREFILL_BATCH_TOKENS:
-                pins.extend(_run(model, batch))
+                pins.extend(run_tails(model, batch)[0])
                 batch = []
             batch.append(row)
-        pins.extend(_run(model, batch))
+        pins.extend(run_tails(model, batch)[0])
 
 
 def ensure_kv(model: Model, rows: Sequence[Sequence[int]]) -> list[KVHandle]:

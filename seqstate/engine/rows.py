@@ -52,11 +52,23 @@ class LiveRow:
         self.offsets: list[int] = []          # where each generated token starts in `text`
         self.bans: dict[int, set[int]] = {}   # position -> tokens a hook banned there
         self.backtracks = 0
+        self.origin = 0                       # which incoming row a beam descends from
         self.decoder = IncrementalDecoder(vocab)
         self.text = ""
         self.value_end: int | None = None
         self.kv_limit = 1 << 62                # a stop-string cut invalidates KV past this
         self.finish_reason: str | None = None
+
+    def fork(self) -> LiveRow:
+        """An independent copy (a beam's child); lists are copied, immutable parts shared."""
+        child = object.__new__(LiveRow)
+        for name, value in self.__dict__.items():
+            setattr(child, name, value)
+        for name in ("tokens", "cols", "logprobs", "cursors", "offsets"):
+            setattr(child, name, list(getattr(self, name)))
+        child.bans = {k: set(v) for k, v in self.bans.items()}
+        child.decoder = self.decoder.copy()
+        return child
 
     @property
     def done(self) -> bool:

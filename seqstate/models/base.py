@@ -64,7 +64,7 @@ class LanguageModel(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor, cache: Any, *, logits: bool = True) -> torch.Tensor | None:
+                position_ids: torch.Tensor, cache: Any, *, logits: bool | str = True) -> torch.Tensor | None:
         """Run the network over ``input_ids`` (B, T) appending to ``cache``.
 
         Returns the last position's logits (B, V) as float32, or None when ``logits`` is False

@@ -109,10 +109,11 @@ class Model:
     # -- network ------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor, cache: Any, *, logits: bool = True) -> torch.Tensor | None:
+                position_ids: torch.Tensor, cache: Any, *, logits: bool | str = True) -> torch.Tensor | None:
         """Run ``input_ids`` (B, T) over ``cache``; last-position logits (B, V) in float32 or None.
 
-        ``attention_mask`` (B, past + T) may be None when no row is padded.
+        ``attention_mask`` (B, past + T) may be None when no row is padded.  ``logits=False``
+        skips the LM head (prefill); ``logits="all"`` returns every position's (B, T, V).
         """
         self._counters["forward_calls"] += 1
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
@@ -120,6 +121,8 @@ class Model:
         if not logits:
             self._decoder(**kwargs)                                # prefill: skip the LM head
             return None
+        if logits == "all":
+            return self.hf_model(**kwargs, logits_to_keep=0).logits.float()   # (B, T, V)
         out = self.hf_model(**kwargs, logits_to_keep=1)
         return out.logits[:, -1, :].float()                       # (B, V)
 

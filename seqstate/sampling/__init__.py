@@ -1,5 +1,6 @@
 """Samplers: frozen parameter objects and the pure functions they use."""
 
-from seqstate.sampling.params import Greedy, Multinomial, Sampler, greedy, multinomial
+from seqstate.sampling.params import (BeamSearch, Greedy, Multinomial, Sampler, beam_search,
+                                      greedy, multinomial)
 
-__all__ = ["Sampler", "Greedy", "Multinomial", "greedy", "multinomial"]
+__all__ = ["Sampler", "Greedy", "Multinomial", "BeamSearch", "greedy", "multinomial", "beam_search"]

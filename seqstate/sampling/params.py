@@ -10,7 +10,7 @@ import torch
 from seqstate.sampling.functions import (filter_top_k, filter_top_p, greedy_tokens,
                                          inverse_cdf_sample)
 
-__all__ = ["Sampler", "Greedy", "Multinomial", "greedy", "multinomial"]
+__all__ = ["Sampler", "Greedy", "Multinomial", "BeamSearch", "greedy", "multinomial", "beam_search"]
 
 
 @runtime_checkable
@@ -68,9 +68,47 @@ class Multinomial:
         return inverse_cdf_sample(logits, rng)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class BeamSearch:
+    """Beam search over whole programs: keep the ``width`` best continuations by total log-prob.
+
+    A beam is a sample of the state; its weight counts every generated token of the program so
+    far, so continuing a beam state with another generator keeps searching jointly.  Finished
+    beams are ranked by ``weight / generated_tokens ** length_penalty`` (0 = raw log-prob).
+    With ``early_stopping`` a batch item stops once ``width`` beams have finished; otherwise
+    it goes on while a live beam could still beat them.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> ss.beam_search(4)
+    BeamSearch(width=4, length_penalty=0.0, early_stopping=True)
+    """
+
+    width: int
+    length_penalty: float = 0.0
+    early_stopping: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.width, int) or self.width < 1:
+            raise ValueError(f"beam width must be an int >= 1, got {self.width!r}")
+
+    def choose(self, logits: torch.Tensor, rng: torch.Generator | None) -> torch.Tensor:
+        """Per-row choice is the best token; the beam engine uses :meth:`score` instead."""
+        return greedy_tokens(logits)
+
+    def score(self, weight: float, length: int) -> float:
+        return weight / max(length, 1) ** self.length_penalty if self.length_penalty else weight
+
+
 def greedy() -> Greedy:
     """The greedy sampler."""
     return Greedy()
+
+
+def beam_search(width: int, length_penalty: float = 0.0, early_stopping: bool = True) -> BeamSearch:
+    """A beam-search sampler of ``width`` beams (see :class:`BeamSearch`)."""
+    return BeamSearch(width, length_penalty, early_stopping)
 
 
 def multinomial(temperature: float = 1.0, top_k: int | None = None,
