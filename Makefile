@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test docs bench clean
+.PHONY: install demo test docs bench clean chromium
 
 install: $(STAMP)
 
@@ -24,7 +24,11 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/python -m seqstate demo
 
-test: $(STAMP)
+# The rendering test takes screenshots with Debian's headless Chromium.
+chromium:
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q tests docs README.md seqstate grammars --markdown-docs --markdown-docs-syntax=superfences --doctest-modules
 	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 

@@ -1,6 +1,6 @@
 """seqstate: structured LLM generation on immutable, forkable sequence states."""
 
-from seqstate import constraints, engine, grammars, hooks, kv, models, sampling
+from seqstate import constraints, engine, grammars, hooks, kv, models, sampling, viz
 from seqstate.continuous import (Generator, cfg, choice, continuous, final_state, json, regex,
                                  text)
 from seqstate.errors import (BatchMismatch, ConstraintError, ContextOverflowError, HookError,
@@ -12,7 +12,7 @@ from seqstate.state import SequenceState, from_tokens
 __all__ = [
     "SequenceState", "from_tokens", "Generator", "text", "choice", "regex", "json", "cfg",
     "continuous", "final_state", "greedy", "multinomial", "beam_search",
-    "models", "engine", "kv", "sampling", "constraints", "grammars", "hooks",
+    "models", "engine", "kv", "sampling", "constraints", "grammars", "hooks", "viz",
     "SeqStateError", "SlicingError", "BatchMismatch", "SampleMismatch", "ModelMismatch",
     "ConstraintError", "ContextOverflowError", "ModelNotAvailable", "HookError",
 ]

@@ -379,7 +379,7 @@ _PY_TYPES = {int: r"-?(0|[1-9][0-9]*)", float: r"-?(0|[1-9][0-9]*)(\.[0-9]+)?",
 def _for_output_type(model: Model, output_type: Any) -> Generator:
     if output_type is None or output_type is str:
         return text(model)
-    if output_type in _PY_TYPES:
+    if isinstance(output_type, type) and output_type in _PY_TYPES:
         return regex(model, _PY_TYPES[output_type])
     if (typing.get_origin(output_type) is typing.Literal
             or (isinstance(output_type, type) and issubclass(output_type, enum.Enum))

@@ -170,3 +170,10 @@ def test_wraps_outlines_generator(real):
     assert s.value in {"yes", "no"}
     again = ss.continuous(outlines.Generator(om, None))(s + " Because", max_tokens=5)
     assert again.model is s.model
+
+
+def test_continuous_with_outlines_terms(tiny):
+    from outlines.types import Regex
+
+    assert re.fullmatch(r"[0-9]{2}", ss.continuous(tiny, Regex(r"[0-9]{2}"))("n=").value)
+    assert ss.continuous(tiny, bool)("flag: ").value in ("true", "false")

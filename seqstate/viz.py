@@ -1,0 +1,120 @@
+"""Pictures of states: how rows share prefixes, as an SVG tree.
+
+``ss.viz.tree(state)`` compresses the rows' tokens into a radix tree (one box per shared span)
+and draws it left to right; leaves are labelled ``[batch,sample]``.  Boxes whose KV is in the
+model's store are filled blue; spans that would be recomputed at the next call are grey.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+
+__all__ = ["tree", "Tree"]
+
+_BOX_W, _BOX_H, _GAP_X, _GAP_Y, _CHARS = 190, 34, 40, 14, 26
+
+
+@dataclasses.dataclass
+class _Node:
+    tokens: list[int]
+    start: int
+    children: list[_Node] = dataclasses.field(default_factory=list)
+    rows: list[int] = dataclasses.field(default_factory=list)
+
+
+def _insert(root: _Node, tokens: tuple[int, ...], row: int) -> None:
+    node, pos = root, 0
+    while True:
+        if pos == len(tokens):
+            node.rows.append(row)
+            return
+        child = next((c for c in node.children if c.tokens[0] == tokens[pos]), None)
+        if child is None:
+            node.children.append(_Node(list(tokens[pos:]), pos, rows=[row]))
+            return
+        i = 0
+        while i < len(child.tokens) and pos + i < len(tokens) and child.tokens[i] == tokens[pos + i]:
+            i += 1
+        if i < len(child.tokens):                     # split the child at the divergence
+            tail = _Node(child.tokens[i:], child.start + i, child.children, child.rows)
+            child.tokens, child.children, child.rows = child.tokens[:i], [tail], []
+        node, pos = child, pos + i
+
+
+class Tree:
+    """An SVG drawing of a state's prefix tree; shows itself in notebooks and docs."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+        self.root = _Node([], 0)
+        for i, row in enumerate(state.rows):
+            _insert(self.root, row.tokens, i)
+
+    def _label(self, node: _Node) -> str:
+        text = self.state.model.vocab.decode(node.tokens).replace("\n", "⏎")
+        return text if len(text) <= _CHARS else text[: _CHARS - 12] + "…" + text[-11:]
+
+    def _stored(self, node: _Node, prefix: tuple[int, ...]) -> bool:
+        full = prefix + tuple(node.tokens)
+        return self.state.model.store.match(full).length >= len(full) - 1
+
+    def svg(self) -> str:
+        """The drawing as an SVG document."""
+        boxes, lines, leaves = [], [], [0]
+
+        def place(node: _Node, depth: int, prefix: tuple[int, ...]) -> float:
+            """Draw ``node`` and its subtree; return its y (children first, leaves in order)."""
+            child_ys = [place(c, depth + 1, prefix + tuple(node.tokens)) for c in node.children]
+            ys = list(child_ys)
+            if node.rows or not node.children:        # a row ends here: it takes a line of its own
+                ys.append(leaves[0] * (_BOX_H + _GAP_Y))
+                leaves[0] += 1
+            y = sum(ys) / len(ys)
+            if not node.tokens:                       # the invisible root
+                return y
+            x = depth * (_BOX_W + _GAP_X)
+            fill = "#cfe3ff" if self._stored(node, prefix) else "#e6e6e6"
+            tags = " ".join(f"[{r // self.state.samples},{r % self.state.samples}]" for r in node.rows)
+            boxes.append(
+                f'<rect x="{x}" y="{y}" width="{_BOX_W}" height="{_BOX_H}" rx="5" fill="{fill}" '
+                f'stroke="#456"/><text x="{x + 6}" y="{y + 14}" font-size="11" '
+                f'font-family="monospace">{html.escape(self._label(node))}</text>'
+                f'<text x="{x + 6}" y="{y + 28}" font-size="10" fill="#555">{len(node.tokens)} tok '
+                f'{html.escape(tags)}</text>')
+            for cy in child_ys:
+                lines.append(f'<line x1="{x + _BOX_W}" y1="{y + _BOX_H / 2}" x2="{x + _BOX_W + _GAP_X}" '
+                             f'y2="{cy + _BOX_H / 2}" stroke="#789"/>')
+            return y
+
+        place(self.root, -1, ())
+        depth = self._depth(self.root)
+        width = max(1, depth) * (_BOX_W + _GAP_X)
+        height = max(1, leaves[0]) * (_BOX_H + _GAP_Y)
+        return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+                f'viewBox="0 0 {width} {height}">{"".join(lines)}{"".join(boxes)}</svg>')
+
+    def _depth(self, node: _Node) -> int:
+        """Columns of boxes below and including ``node`` (the root has no box)."""
+        below = max((self._depth(c) for c in node.children), default=0)
+        return below + (1 if node.tokens else 0)
+
+    def _repr_html_(self) -> str:
+        return self.svg()
+
+    def __str__(self) -> str:
+        return self.svg()
+
+
+def tree(state) -> Tree:
+    """A prefix-tree picture of ``state``'s rows.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> model = ss.models.testing.tiny()
+    >>> s = ss.text(model)("Fork me", num_samples=3, sampler=ss.multinomial(), seed=0, max_tokens=3)
+    >>> ss.viz.tree(s).svg().count("<rect") >= 4
+    True
+    """
+    return Tree(state)
