@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,9 +30,26 @@ def _cached(model, key: tuple, build: Callable[[], Any]) -> Any:
     return cache[key]
 
 
+MAX_PATTERN_CHARS = 20_000
+MAX_REPEAT = 1_000
+
+
+def _check_size(pattern: str, max_chars: int = MAX_PATTERN_CHARS) -> None:
+    """Refuse regexes whose automaton would be huge, before compiling anything."""
+    if len(pattern) > max_chars:
+        raise ConstraintError(f"regex of {len(pattern)} characters exceeds {MAX_PATTERN_CHARS}; "
+                              "split the task into several calls or use a grammar (ss.cfg)")
+    for m in re.finditer(r"(?<!\\)\{(\d+)(?:,(\d*))?\}", pattern):
+        bound = max(int(m.group(1)), int(m.group(2) or 0))
+        if bound > MAX_REPEAT:
+            raise ConstraintError(f"repetition {m.group(0)} at position {m.start()} exceeds "
+                                  f"{MAX_REPEAT}; bound it lower or use max_tokens instead")
+
+
 def regex(model, pattern: str) -> RegexConstraint:
     if not isinstance(pattern, str) or not pattern:
         raise ConstraintError(f"expected a non-empty regex string, got {pattern!r}")
+    _check_size(pattern)
     return _cached(model, ("regex", pattern), lambda: RegexConstraint(pattern, model))
 
 
@@ -89,12 +107,16 @@ def json_schema(model, spec: Any, whitespace: str | None = r"[ ]?") -> RegexCons
     from outlines_core.json_schema import build_regex_from_schema
 
     schema, parse = _schema_of(spec)
+    if len(schema) > MAX_PATTERN_CHARS:
+        raise ConstraintError(f"JSON schema of {len(schema)} characters exceeds {MAX_PATTERN_CHARS}; "
+                              "generate its parts in separate calls")
 
     def build() -> RegexConstraint:
         try:
             pattern = build_regex_from_schema(schema, whitespace)
         except Exception as exc:
             raise ConstraintError(f"unsupported or invalid JSON schema: {exc}") from exc
+        _check_size(pattern, max_chars=50 * MAX_PATTERN_CHARS)    # schema regexes run long
         return RegexConstraint(pattern, model, parse=parse)
 
     return _cached(model, ("json", schema, whitespace, id(parse)), build)

@@ -252,6 +252,26 @@ class KVStore:
                     self.evictions += 1
         return freed
 
+    def verify(self) -> None:
+        """Check the tree against the byte/pin accounting; raises RuntimeError when inconsistent."""
+        with self.lock:
+            total = held = count = 0
+            for seg in self._segments_iter():
+                if seg.parent is None:
+                    continue
+                count += 1
+                total += seg.nbytes
+                held += seg.nbytes if seg.pins > 0 else 0
+                if seg.pins < 0 or seg.kv is None or seg.kv.shape[3] != len(seg.tokens):
+                    raise RuntimeError(f"corrupt segment {seg!r}")
+                if not 0 <= seg.offset <= len(seg.parent.tokens):
+                    raise RuntimeError(f"segment {seg!r} hangs outside its parent")
+                if seg.parent.children.get(seg.offset, {}).get(seg.tokens[0]) is not seg:
+                    raise RuntimeError(f"segment {seg!r} is not linked from its parent")
+            if (total, held, count) != (self._bytes, self._held, self._segments):
+                raise RuntimeError(f"accounting drift: tree has {total} B / {held} B held / {count} "
+                                   f"segments, counters say {self._bytes} / {self._held} / {self._segments}")
+
     def clear(self) -> int:
         """Evict every unpinned segment."""
         return self.evict(0)

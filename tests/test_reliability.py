@@ -1,0 +1,170 @@
+"""Reliability: bounded memory under a soak, threads, faults that lose nothing, bad input."""
+
+import gc
+import random
+import resource
+import threading
+
+import pytest
+import torch
+
+import seqstate as ss
+from seqstate.engine import Stepper, next_logits
+from seqstate.hooks import Rollback
+
+
+def test_soak_budget_pins_and_release(fresh_tiny):
+    m = fresh_tiny
+    per_token = m.num_layers * 2 * m.kv_heads * m.head_dim * 4
+    m.store.budget_bytes = 3000 * per_token
+    rnd = random.Random(0)
+    gen = ss.text(m)
+    live = [gen(f"seed {i} " * 5, max_tokens=3) for i in range(4)]
+    peak_held = 0
+    for step in range(600):
+        s = rnd.choice(live)
+        op = rnd.randrange(5)
+        if op == 0:
+            s = gen(s, max_tokens=rnd.randint(1, 4))
+        elif op == 1:
+            s = gen(s, num_samples=rnd.randint(2, 3), sampler=ss.multinomial(), seed=step, max_tokens=2)[:, :1, :]
+        elif op == 2:
+            s = s[..., : max(1, len(s.token_ids[0][0]) - rnd.randint(1, 5))]
+        elif op == 3:
+            s = s + f" more {step}"
+        else:
+            s = gen(f"fresh {step} " * rnd.randint(1, 8), max_tokens=2)
+        live.append(s)
+        if len(live) > 12:
+            live.pop(rnd.randrange(len(live)))
+        peak_held = max(peak_held, m.stats.kv_bytes_held)
+        if step % 50 == 0:
+            m.store.verify()
+            gc.collect()
+            st = m.stats
+            assert st.kv_bytes_cached <= m.store.budget_bytes + st.kv_bytes_held
+    # pinned KV of every live state is intact and exact
+    for s in live[-3:]:
+        row = list(s.rows[0].tokens)
+        if s.rows[0].handle is not None:
+            assert m.store.match(row).length >= s.rows[0].handle.length
+        assert (next_logits(m, [row])[0] - m.full_logits(row)[-1]).abs().max() < 1e-3
+    assert m.stats.evictions > 0
+    del s, live[:]  # the loop variable holds the last state too
+    gc.collect()
+    m.store.verify()
+    assert m.stats.kv_bytes_held == 0
+    assert m.stats.kv_bytes_cached <= m.store.budget_bytes
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"soak: 600 ops, peak held {peak_held / 2**20:.2f} MiB, evictions {m.stats.evictions}, "
+          f"peak RSS {rss_mib:.0f} MiB")
+
+
+def test_threads_share_a_model(tiny):
+    prompts = [f"Thread {i} says" for i in range(6)]
+    expected = {p: ss.text(tiny)(p, max_tokens=6).token_ids for p in prompts}
+    shared = ss.text(tiny)("Shared state", max_tokens=3)
+    got, errors = {}, []
+
+    def work(p):
+        try:
+            got[p] = ss.text(tiny)(p, max_tokens=6).token_ids
+            assert str(shared).startswith("Shared state") and shared.shape == (1, 1)
+        except Exception as exc:     # collected and re-raised in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in prompts for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert got == expected
+    tiny.store.verify()
+
+
+@pytest.mark.parametrize("fault", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_faults_mid_generation_lose_nothing(tiny, fault):
+    gen = ss.text(tiny)
+    original = gen("A state worth keeping", max_tokens=4)
+    snapshot = (original.token_ids, original.logprobs)
+    expected = gen(original, max_tokens=6)
+
+    def explode(event):
+        if len(event.generated) == 3:
+            raise fault
+        return None
+
+    with pytest.raises(type(fault)):
+        gen(original, max_tokens=6, hooks=[explode])
+    assert (original.token_ids, original.logprobs) == snapshot
+    tiny.store.verify()
+    assert gen(original, max_tokens=6) == expected          # continues exactly as before
+    # the model lock was released: another thread can generate
+    done = []
+    t = threading.Thread(target=lambda: done.append(gen("after", max_tokens=1)))
+    t.start()
+    t.join(timeout=60)
+    assert done
+
+
+def test_interrupted_stream_releases_the_model(tiny):
+    stream = ss.text(tiny).stream("abc", max_tokens=20)
+    next(stream)
+    del stream
+    gc.collect()
+    done = []
+    t = threading.Thread(target=lambda: done.append(ss.text(tiny)("x", max_tokens=1)))
+    t.start()
+    t.join(timeout=60)
+    assert done
+
+
+def test_dead_end_leaves_state_intact(tiny):
+    base = ss.text(tiny)("x", max_tokens=2)
+    s = ss.choice(tiny, ["only"])(base, hooks=[ss.hooks.ban_phrases(["only"])], max_backtracks=50)
+    assert s.finish_reason in ("dead_end", "max_backtracks")
+    assert s.token_ids[0][0][: len(base.token_ids[0][0])] == base.token_ids[0][0]
+    tiny.store.verify()
+
+
+BAD_INPUTS = [
+    ("invalid regex", lambda m: ss.regex(m, "([a-z"), ss.ConstraintError),
+    ("huge repetition", lambda m: ss.regex(m, "a{5000}"), ss.ConstraintError),
+    ("huge regex", lambda m: ss.regex(m, "a" * 30_000), ss.ConstraintError),
+    ("invalid schema", lambda m: ss.json(m, "{oops"), ss.ConstraintError),
+    ("huge schema", lambda m: ss.json(m, {"type": "object", "description": "x" * 200_000}),
+     ss.ConstraintError),
+    ("empty choices", lambda m: ss.choice(m, []), ss.ConstraintError),
+    ("duplicate choices", lambda m: ss.choice(m, ["a", "b", "a"]), ss.ConstraintError),
+    ("bad grammar", lambda m: ss.cfg(m, "start: ("), ss.ConstraintError),
+    ("wrong arity", lambda m: ss.from_tokens(m, [[1, 2]])[0, 0, 0, 0], ss.SlicingError),
+    ("out of range", lambda m: ss.from_tokens(m, [[1, 2]])[5], ss.SlicingError),
+    ("bad key type", lambda m: ss.from_tokens(m, [[1, 2]])["a"], ss.SlicingError),
+    ("mismatched batches", lambda m: ss.from_tokens(m, [[1], [2]]) + ss.from_tokens(m, [[1], [2], [3]]),
+     ss.BatchMismatch),
+    ("non-str prompt", lambda m: ss.text(m)(123), TypeError),
+    ("beyond context", lambda m: ss.text(m)("word " * 3000), ss.ContextOverflowError),
+    ("max_tokens <= 0", lambda m: ss.text(m)("x", max_tokens=0), ValueError),
+    ("bad sampler", lambda m: ss.text(m)("x", sampler="greedy"), TypeError),
+    ("bad temperature", lambda m: ss.multinomial(temperature=0), ValueError),
+    ("samples mismatch", lambda m: ss.text(m)(ss.SequenceState(m, ss.from_tokens(m, [[1]]).rows * 2, 1, 2),
+                                              num_samples=3), ss.SampleMismatch),
+    ("NaN logits", lambda m: Stepper(m, [[1, 2]]).step(torch.full((1, m.vocab.size), float("nan"))),
+     ValueError),
+    ("token ids outside vocab", lambda m: ss.from_tokens(m, [[10**9]]), ValueError),
+]
+
+
+@pytest.mark.parametrize("name,call,error", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_is_rejected_before_compute(fresh_tiny, name, call, error):
+    before = fresh_tiny.stats
+    with pytest.raises(error) as info:
+        call(fresh_tiny)
+    assert len(str(info.value)) > 20, "the message must say what to do"
+    assert (fresh_tiny.stats - before).forward_calls == 0
+
+
+def test_models_do_not_mix(tiny, fresh_tiny):
+    with pytest.raises(ss.ModelMismatch):
+        ss.text(fresh_tiny)(ss.from_tokens(tiny, [[1, 2]]))
