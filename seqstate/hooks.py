@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from seqstate.errors import ConstraintError
+
 __all__ = ["SampleEvent", "Accept", "Replace", "Resample", "Rollback", "Action", "Hook",
            "ban_phrases"]
 
@@ -126,14 +128,10 @@ def ban_phrases(phrases: Sequence[str], *, regex: bool = False, ignore_case: boo
     8
     """
     if isinstance(phrases, str) or not phrases or not all(isinstance(p, str) and p for p in phrases):
-        from seqstate.errors import ConstraintError
-
         raise ConstraintError(f"ban_phrases needs a non-empty list of non-empty strings, got {phrases!r}")
     body = "|".join(phrases if regex else sorted(map(re.escape, phrases), key=len, reverse=True))
     try:
         pattern = re.compile(body, re.IGNORECASE if ignore_case else 0)
     except re.error as exc:
-        from seqstate.errors import ConstraintError
-
         raise ConstraintError(f"invalid banned-phrase regex: {exc}") from exc
     return _BanPhrases(pattern, lookback if regex else max(map(len, phrases)))

@@ -16,6 +16,7 @@ import torch
 from seqstate.engine.decode import _load, _store_row
 from seqstate.engine.prefill import ensure_kv
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
+from seqstate.engine.step import allowed_mask
 from seqstate.kv.hf_cache import as_cache
 from seqstate.models.hf import Model
 from seqstate.sampling.params import BeamSearch
@@ -30,15 +31,6 @@ class _Beam:
     length: int            # generated tokens of the program so far
     group: int
     slot: int = -1         # decode-buffer row holding this beam's KV
-
-
-def _allowed(row: LiveRow, vocab_size: int) -> torch.Tensor | None:
-    if row.cursor is None:
-        return None
-    allowed = row.cursor.allowed()
-    mask = torch.zeros(vocab_size, dtype=torch.bool)
-    mask[: allowed.shape[0]] = allowed
-    return mask
 
 
 def beam_run(model: Model, groups: Sequence[Sequence[tuple[RowRequest, float, int]]],
@@ -79,7 +71,7 @@ def beam_run(model: Model, groups: Sequence[Sequence[tuple[RowRequest, float, in
             logprobs = logits.log_softmax(dim=-1)                                             # (N, V)
             scores = logprobs.clone()
             for i, b in enumerate(beams):
-                allowed = _allowed(b.row, logits.shape[-1])
+                allowed = allowed_mask(b.row, logits.shape[-1])
                 if allowed is not None:
                     scores[i].masked_fill_(~allowed, float("-inf"))
             # 3. per batch item, keep the best `width` children; finished ones are set aside

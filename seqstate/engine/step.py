@@ -17,7 +17,7 @@ from seqstate.errors import HookError
 from seqstate.hooks import Accept, Replace, Resample, Rollback, SampleEvent
 from seqstate.sampling.params import Greedy, Sampler
 
-__all__ = ["Stepper", "StepEvent", "DEFAULT_MAX_BACKTRACKS"]
+__all__ = ["Stepper", "StepEvent", "allowed_mask", "DEFAULT_MAX_BACKTRACKS"]
 
 DEFAULT_MAX_BACKTRACKS = 32
 
@@ -31,6 +31,21 @@ class StepEvent:
     text: str                  # text this step added (UTF-8 safe)
     rolled_back: int = 0       # generated tokens removed by a hook
     finish_reason: str | None = None
+
+
+def allowed_mask(row: LiveRow, vocab_size: int) -> torch.Tensor | None:
+    """Bool mask (V,) of the row's allowed tokens (constraint and bans), or None when anything goes."""
+    banned = row.bans.get(len(row.tokens))
+    if row.cursor is None and not banned:
+        return None
+    mask = torch.ones(vocab_size, dtype=torch.bool)                       # (V,)
+    if row.cursor is not None:
+        allowed = row.cursor.allowed()                                      # (V_tok,)
+        mask[: allowed.shape[0]] = allowed
+        mask[allowed.shape[0]:] = False
+    if banned:
+        mask[list(banned)] = False
+    return mask
 
 
 class Stepper:
@@ -84,20 +99,6 @@ class Stepper:
         return [r.result(handles[i] if handles else None) for i, r in enumerate(self.rows)]
 
     # -- the step -----------------------------------------------------------------------------
-    def _allowed(self, row: LiveRow, vocab_size: int) -> torch.Tensor | None:
-        """Bool mask (V,) of the row's allowed tokens, or None when anything goes."""
-        banned = row.bans.get(len(row.tokens))
-        if row.cursor is None and not banned:
-            return None
-        mask = torch.ones(vocab_size, dtype=torch.bool)                   # (V,)
-        if row.cursor is not None:
-            allowed = row.cursor.allowed()                                  # (V_tok,)
-            mask[: allowed.shape[0]] = allowed
-            mask[allowed.shape[0]:] = False
-        if banned:
-            mask[list(banned)] = False
-        return mask
-
     def step(self, logits: torch.Tensor) -> list[StepEvent]:
         """Advance every live row by one token given its logits (B_live, V), in ``live`` order."""
         live = self.live
@@ -108,7 +109,7 @@ class Stepper:
         logits = logits.float()
         # 1. constrain: disallowed tokens get -inf; a row with nothing allowed is a dead end
         logprobs = logits.log_softmax(dim=-1)                                           # (B, V)
-        masks = [self._allowed(self.rows[i], logits.shape[-1]) for i in live]
+        masks = [allowed_mask(self.rows[i], logits.shape[-1]) for i in live]
         masked = logits.clone()
         events = []
         for j, (i, m) in enumerate(zip(live, masks)):
