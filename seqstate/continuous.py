@@ -158,8 +158,20 @@ class Generator:
                 parse=lambda t, n=len(removed): inner.parse(t[n:]))
         return kept, removed, self.model.constraint_cache[key].start()
 
+    def _check_hooks(self, hooks: Sequence[Callable]) -> None:
+        """A banned phrase that the constraint forces is an error, found before compute."""
+        pattern = getattr(self.constraint, "pattern", "")
+        if not pattern or pattern.startswith("<"):
+            return
+        for hook in hooks:
+            forced = getattr(hook, "forced_by", None)
+            if forced is not None and forced(pattern):
+                raise ConstraintError(f"every text this {self.name} generator can produce contains a "
+                                      "banned phrase; relax the constraint or the banned phrases")
+
     def _prepare(self, prompt: Prompt, call: Call, resume: bool):
         """Rows to run, their requests, span starts (resume) and healed prefixes, before compute."""
+        self._check_hooks(call.hooks)
         state = self._fork(self._state(prompt), call.num_samples)
         if resume and call.token_healing:
             raise ValueError("resume() continues tokens already generated; token_healing does not apply")

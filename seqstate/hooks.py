@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import Protocol
 
+import interegular
 import torch
 
 from seqstate.errors import ConstraintError
@@ -86,6 +87,9 @@ class SampleEvent:
         return list(zip(i.tolist(), v.tolist()))
 
 
+_ANALYSE_MAX_CHARS = 2000
+
+
 class Hook(Protocol):
     def __call__(self, event: SampleEvent) -> Action: ...
 
@@ -96,6 +100,22 @@ class _BanPhrases:
     def __init__(self, pattern: re.Pattern, lookback: int) -> None:
         self.pattern = pattern
         self.lookback = lookback
+
+    def forced_by(self, constraint_regex: str) -> bool:
+        """True when every text matching ``constraint_regex`` contains a banned phrase.
+
+        Decided by regex-automaton difference (interegular); False when it cannot tell
+        (unsupported syntax, or a regex too large to analyse quickly).
+        """
+        if len(constraint_regex) > _ANALYSE_MAX_CHARS:
+            return False
+        flags = "(?i)" if self.pattern.flags & re.IGNORECASE else ""
+        try:
+            allowed = interegular.parse_pattern(constraint_regex).to_fsm()
+            banned = interegular.parse_pattern(f"{flags}(.|\n)*({self.pattern.pattern})(.|\n)*").to_fsm()
+            return (allowed - banned).empty()
+        except Exception:                   # interegular does not support every construct
+            return False
 
     def __call__(self, event: SampleEvent) -> Action:
         text = event.text + event.token_text
@@ -117,7 +137,8 @@ def ban_phrases(phrases: Sequence[str], *, regex: bool = False, ignore_case: boo
 
     Matching runs across token boundaries: when a phrase completes, the row rolls back to the
     token where it started (KV and constraint state included) and resamples there with that
-    token banned.  With ``regex=True`` the phrases are regular expressions; ``lookback`` bounds
+    token banned.  A regex, choice or JSON constraint that can only produce banned text is
+    reported as a ``ConstraintError`` before generating.  With ``regex=True`` the phrases are regular expressions; ``lookback`` bounds
     how far back (in characters) a match may start.
 
     Examples

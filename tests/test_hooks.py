@@ -110,9 +110,24 @@ def test_ban_phrases_regex_and_case(tiny):
         ss.hooks.ban_phrases(["(unclosed"], regex=True)
 
 
-def test_ban_under_a_constraint_that_forces_it_is_a_dead_end(tiny):
-    s = ss.choice(tiny, ["forbidden"])("x", hooks=[ss.hooks.ban_phrases(["forbidden"])])
+def test_ban_that_the_constraint_forces_is_reported_before_compute(fresh_tiny):
+    before = fresh_tiny.stats
+    with pytest.raises(ss.ConstraintError, match="banned phrase"):
+        ss.choice(fresh_tiny, ["Forbidden fruit", "forbidden zone"])("x", hooks=[ss.hooks.ban_phrases(["forbidden"])])
+    with pytest.raises(ss.ConstraintError, match="banned phrase"):
+        ss.regex(fresh_tiny, r"ab[0-9]+")("x", hooks=[ss.hooks.ban_phrases([r"b\d"], regex=True)])
+    assert (fresh_tiny.stats - before).forward_calls == 0
+    # a constraint that can avoid the phrase runs, and avoids it
+    s = ss.choice(fresh_tiny, ["forbidden", "fine"])("x", hooks=[ss.hooks.ban_phrases(["forbidden"])])
+    assert s.value == "fine"
+
+
+def test_undetectable_forced_phrase_ends_as_dead_end(tiny):
+    # a grammar constraint is not analysed up front: the row ends instead of emitting the phrase
+    grammar = 'start: "forbidden"'
+    s = ss.cfg(tiny, grammar)("x", hooks=[ss.hooks.ban_phrases(["forbidden"])])
     assert s.finish_reason in ("dead_end", "max_backtracks")
+    assert "forbidden" not in (s.value or "")
 
 
 @pytest.mark.real

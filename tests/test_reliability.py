@@ -21,7 +21,7 @@ def test_soak_budget_pins_and_release(fresh_tiny):
     gen = ss.text(m)
     live = [gen(f"seed {i} " * 5, max_tokens=3) for i in range(4)]
     peak_held = 0
-    for step in range(600):
+    for step in range(2000):
         s = rnd.choice(live)
         op = rnd.randrange(5)
         if op == 0:
@@ -38,7 +38,7 @@ def test_soak_budget_pins_and_release(fresh_tiny):
         if len(live) > 12:
             live.pop(rnd.randrange(len(live)))
         peak_held = max(peak_held, m.stats.kv_bytes_held)
-        if step % 50 == 0:
+        if step % 200 == 0:
             m.store.verify()
             gc.collect()
             st = m.stats
@@ -56,7 +56,7 @@ def test_soak_budget_pins_and_release(fresh_tiny):
     assert m.stats.kv_bytes_held == 0
     assert m.stats.kv_bytes_cached <= m.store.budget_bytes
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"soak: 600 ops, peak held {peak_held / 2**20:.2f} MiB, evictions {m.stats.evictions}, "
+    print(f"soak: 2000 ops, peak held {peak_held / 2**20:.2f} MiB, evictions {m.stats.evictions}, "
           f"peak RSS {rss_mib:.0f} MiB")
 
 
