@@ -137,3 +137,18 @@ def test_ban_phrases_on_real_model(real):
     assert any(b in free for b in banned)
     s = ss.text(real)("Once upon a time", max_tokens=30, hooks=[ss.hooks.ban_phrases(banned)])
     assert not any(b.lower() in s.value.lower() for b in banned)
+
+
+def test_hooks_chain_in_order(tiny):
+    """A Replace hands its token to later hooks; a Resample re-runs every hook on the new token."""
+    seen = []
+    first = ss.text(tiny)("x", max_tokens=1).token_ids[0][0][-1]
+    target = tiny.encode(" zebra")[0]
+    replace_first = lambda e: Replace(target) if e.token == first else None  # noqa: E731
+    record = lambda e: seen.append(e.token)  # noqa: E731
+    s = ss.text(tiny)("x", max_tokens=1, hooks=[replace_first, record])
+    assert seen == [target] and s.token_ids[0][0][-1] == target
+    seen.clear()
+    resample_first = lambda e: Resample() if e.token == first else None  # noqa: E731
+    s = ss.text(tiny)("x", max_tokens=1, hooks=[record, resample_first])
+    assert seen[0] == first and seen[-1] == s.token_ids[0][0][-1] != first and len(seen) == 2

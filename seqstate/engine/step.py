@@ -138,37 +138,46 @@ class Stepper:
 
     def _run_hooks(self, row: LiveRow, i: int, token: int, logits: torch.Tensor,
                    logprobs: torch.Tensor, masked: torch.Tensor) -> tuple[int, int]:
-        """Apply hooks until they accept; returns (token, tokens rolled back)."""
-        for hook in self.hooks:
-            while True:
-                event = SampleEvent(i, len(row.tokens), token, logprobs[token].item(), logits,
-                                    row.text, self.vocab.decode([token]), row.generated, row.offsets)
-                action = hook(event)
-                if action is None or isinstance(action, Accept):
-                    break
-                if isinstance(action, Replace):
-                    if not torch.isfinite(masked[action.token]):
-                        raise HookError(f"hook {hook!r} replaced token {token} with {action.token}, "
-                                        "which the active constraint (or a ban) does not allow here")
-                    token = action.token
-                    break
-                if not isinstance(action, (Resample, Rollback)):
-                    raise HookError(f"hook {hook!r} returned {action!r}; expected None, Accept, "
-                                    "Replace, Resample or Rollback")
-                row.backtracks += 1
-                if row.backtracks > self.max_backtracks:
-                    row.finish("max_backtracks")
-                    return token, 0
-                if isinstance(action, Rollback) and action.n > 0:
-                    if action.n > len(row.generated):
-                        raise HookError(f"hook {hook!r} asked to roll back {action.n} tokens but this "
-                                        f"call has generated only {len(row.generated)}")
-                    row.rollback(action.n)
-                    return token, action.n
-                masked[list(action.ban or (token,))] = float("-inf")
-                if not torch.isfinite(masked).any():
-                    row.finish("dead_end")
-                    return token, 0
-                row.bans.setdefault(len(row.tokens), set()).update(action.ban or (token,))
-                token = int(self.sampler.choose(masked[None], self.rng)[0])
+        """Run the hooks in order; returns (token, tokens rolled back).
+
+        A Replace hands its token on to the later hooks; a Resample restarts the chain on the
+        newly sampled token; a Rollback ends the step for this row.
+        """
+        k = 0
+        while k < len(self.hooks):
+            hook = self.hooks[k]
+            event = SampleEvent(i, len(row.tokens), token, logprobs[token].item(), logits,
+                                row.text, self.vocab.decode([token]), row.generated, row.offsets)
+            action = hook(event)
+            if action is None or isinstance(action, Accept):
+                k += 1
+                continue
+            if isinstance(action, Replace):
+                if not torch.isfinite(masked[action.token]):
+                    raise HookError(f"hook {hook!r} replaced token {token} with {action.token}, "
+                                    "which the active constraint (or a ban) does not allow here")
+                token = action.token
+                k += 1
+                continue
+            if not isinstance(action, (Resample, Rollback)):
+                raise HookError(f"hook {hook!r} returned {action!r}; expected None, Accept, "
+                                "Replace, Resample or Rollback")
+            row.backtracks += 1
+            if row.backtracks > self.max_backtracks:
+                row.finish("max_backtracks")
+                return token, 0
+            if isinstance(action, Rollback) and action.n > 0:
+                if action.n > len(row.generated):
+                    raise HookError(f"hook {hook!r} asked to roll back {action.n} tokens but this "
+                                    f"call has generated only {len(row.generated)}")
+                row.rollback(action.n)
+                return token, action.n
+            banned = list(action.ban or (token,))
+            masked[banned] = float("-inf")
+            if not torch.isfinite(masked).any():
+                row.finish("dead_end")
+                return token, 0
+            row.bans.setdefault(len(row.tokens), set()).update(banned)
+            token = int(self.sampler.choose(masked[None], self.rng)[0])
+            k = 0
         return token, 0
