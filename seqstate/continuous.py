@@ -121,7 +121,7 @@ class Generator:
         if state.samples != 1:
             raise SampleMismatch(f"num_samples={k} asked of a state with {state.samples} samples; "
                                  f"pass num_samples=None (or {state.samples}) to continue each sample, "
-                                 "or slice one sample first (state[:, 0])")
+                                 "or slice one sample first (state[:, 0, :])")
         rows = [r for r in state.rows for _ in range(k)]
         return SequenceState(state.model, tuple(rows), state.batch, k)
 
