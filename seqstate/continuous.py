@@ -196,7 +196,8 @@ class Generator:
     def _row(self, old: Row, res: RowResult, span_start: int | None, healed: str) -> Row:
         cursor = res.cursors[-1] if res.cursors else None
         start = res.start if span_start is None else span_start
-        text = self.model.vocab.decode(res.tokens[start:]) if span_start is not None else res.text
+        # a resumed span's text runs from where the span began; res.text excludes a stop string
+        text = self.model.vocab.decode(res.tokens[start:res.start]) + res.text
         if self.constraint is None:
             value = res.text[len(healed):]
         elif res.finish_reason == "constraint_complete" or (cursor is not None and cursor.accepting):
