@@ -3,7 +3,7 @@
 from seqstate import constraints, engine, grammars, hooks, kv, models, sampling, viz
 from seqstate.continuous import (Generator, cfg, choice, continuous, final_state, json, regex,
                                  text)
-from seqstate.errors import (BatchMismatch, ConstraintError, ContextOverflowError, HookError,
+from seqstate.errors import (ArgumentError, BatchMismatch, ConstraintError, ContextOverflowError, HookError,
                              ModelMismatch, ModelNotAvailable, SampleMismatch, SeqStateError,
                              SlicingError)
 from seqstate.sampling import beam_search, greedy, multinomial
@@ -14,5 +14,5 @@ __all__ = [
     "continuous", "final_state", "greedy", "multinomial", "beam_search",
     "models", "engine", "kv", "sampling", "constraints", "grammars", "hooks", "viz",
     "SeqStateError", "SlicingError", "BatchMismatch", "SampleMismatch", "ModelMismatch",
-    "ConstraintError", "ContextOverflowError", "ModelNotAvailable", "HookError",
+    "ConstraintError", "ContextOverflowError", "ModelNotAvailable", "HookError", "ArgumentError",
 ]

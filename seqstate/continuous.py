@@ -15,64 +15,21 @@ from typing import Any
 
 import torch
 
+
+from seqstate.call import Call
 from seqstate.constraints import compile as compiled
-from seqstate.detokenize import StopMatcher
 from seqstate.constraints.healing import HealingCursor, heal_span
 from seqstate.constraints.regex import RegexConstraint
 from seqstate.engine import RowRequest, RowResult, run
-from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS
 from seqstate.errors import ConstraintError, ContextOverflowError, ModelMismatch, SampleMismatch
-from seqstate.models.hf import Model
+from seqstate.models.base import BaseModel as Model
 from seqstate.engine.beam import beam_run
-from seqstate.engine.score import score_continuations
-from seqstate.sampling.params import BeamSearch, Greedy, Sampler
+from seqstate.sampling.params import BeamSearch
 from seqstate.state import Row, SequenceState, Span
 
 __all__ = ["Generator", "text", "choice", "regex", "json", "cfg", "continuous", "final_state"]
 
 Prompt = str | Sequence[str] | SequenceState
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Call:
-    """The keywords of one generator call, declared once and validated before any compute."""
-
-    max_tokens: int | None = None
-    stop_at: str | Sequence[str] | None = None
-    num_samples: int | None = None
-    sampler: Sampler = Greedy()
-    seed: int | None = None
-    rng: torch.Generator | None = None
-    hooks: Sequence[Callable] = ()
-    token_healing: bool = False
-    max_backtracks: int = DEFAULT_MAX_BACKTRACKS
-
-    def __post_init__(self) -> None:
-        if not all(callable(h) for h in self.hooks):
-            raise TypeError(f"hooks must be callables taking a SampleEvent, got {self.hooks!r}")
-        if not isinstance(self.max_backtracks, int) or self.max_backtracks < 0:
-            raise ValueError(f"max_backtracks must be an int >= 0, got {self.max_backtracks!r}")
-        if self.max_tokens is not None and (isinstance(self.max_tokens, bool)
-                                            or not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
-            raise ValueError(f"max_tokens must be a positive int or None, got {self.max_tokens!r}")
-        if self.num_samples is not None and (not isinstance(self.num_samples, int) or self.num_samples <= 0):
-            raise ValueError(f"num_samples must be a positive int or None, got {self.num_samples!r}")
-        if not hasattr(self.sampler, "choose"):
-            raise TypeError(f"sampler must be ss.greedy(), ss.multinomial(...) or ss.beam_search(...), "
-                            f"got {self.sampler!r}")
-        stops = [self.stop_at] if isinstance(self.stop_at, str) else list(self.stop_at or [])
-        if not all(isinstance(s, str) and s for s in stops):
-            raise ValueError(f"stop_at must be a non-empty str or a list of them, got {self.stop_at!r}")
-
-    @property
-    def stops(self) -> StopMatcher | None:
-        stops = [self.stop_at] if isinstance(self.stop_at, str) else list(self.stop_at or [])
-        return StopMatcher(stops) if stops else None
-
-    def generator(self) -> torch.Generator | None:
-        if self.rng is not None:
-            return self.rng
-        return None if self.seed is None else torch.Generator().manual_seed(self.seed)
 
 
 class Generator:
@@ -104,15 +61,20 @@ class Generator:
             if prompt.model is not self.model:
                 raise ModelMismatch(f"this state was made with {prompt.model!r} but the generator uses "
                                     f"{self.model!r}; build the generator on the state's model")
-            return prompt
+            if all(r.tokens for r in prompt.rows):
+                return prompt
+            # an empty row is continued like the empty prompt: from the start token
+            return prompt._with_rows([r if r.tokens else self._prompt_row("") for r in prompt.rows])
         texts = [prompt] if isinstance(prompt, str) else prompt
         if not isinstance(texts, (list, tuple)) or not texts or not all(isinstance(t, str) for t in texts):
             raise TypeError(f"a prompt is a str, a non-empty list of str or a SequenceState, got {prompt!r}")
-        rows = []
-        for t in texts:
-            ids = tuple(self.model.encode(t)) or tuple(self.model.start_token_ids)
-            rows.append(Row(ids, None, (None,) * len(ids), (None,) * len(ids)))
+        rows = [self._prompt_row(t) for t in texts]
         return SequenceState(self.model, tuple(rows), len(rows), 1)
+
+    def _prompt_row(self, text: str) -> Row:
+        """A prompt's row; the empty prompt is the model's start token."""
+        ids = tuple(self.model.encode(text)) or tuple(self.model.start_token_ids)
+        return Row(ids, None, (None,) * len(ids), (None,) * len(ids))
 
     @staticmethod
     def _fork(state: SequenceState, k: int | None) -> SequenceState:
@@ -125,17 +87,18 @@ class Generator:
         rows = [r for r in state.rows for _ in range(k)]
         return SequenceState(state.model, tuple(rows), state.batch, k)
 
-    def _requests(self, state: SequenceState, call: Call, cursors: list) -> list[RowRequest]:
+    def _requests(self, state: SequenceState, call: Call, cursors: list,
+                  healed: Sequence[str] | None = None) -> list[RowRequest]:
         ctx = self.model.context_length
         reqs = []
-        for r, cursor in zip(state.rows, cursors):
+        for r, cursor, removed in zip(state.rows, cursors, healed or [""] * len(cursors)):
             room = ctx - len(r.tokens)
             want = call.max_tokens if call.max_tokens is not None else room
             if want > room or room <= 0:
                 raise ContextOverflowError(
                     f"a row of {len(r.tokens)} tokens plus max_tokens={call.max_tokens} exceeds the "
                     f"model's context of {ctx} tokens; shorten the prompt or lower max_tokens")
-            reqs.append(RowRequest(r.tokens, want, cursor, call.stops))
+            reqs.append(RowRequest(r.tokens, want, cursor, call.stops, len(removed)))
         return reqs
 
     def _healed(self, row: Row) -> tuple[Row, str, Any]:
@@ -191,7 +154,7 @@ class Generator:
             span_starts.append(start)
             healed.append(removed)
         state = SequenceState(self.model, tuple(rows), state.batch, state.samples)
-        return state, self._requests(state, call, cursors), span_starts, healed
+        return state, self._requests(state, call, cursors, healed), span_starts, healed
 
     def _row(self, old: Row, res: RowResult, span_start: int | None, healed: str) -> Row:
         cursor = res.cursors[-1] if res.cursors else None
@@ -274,12 +237,12 @@ class Generator:
         return SequenceState(self.model, tuple(rows), state.batch, samples)
 
     def _stream(self, prompt: Prompt, kwargs: dict, resume: bool):
-        call = Call(**kwargs)
+        call = Call.of(kwargs)
         if isinstance(call.sampler, BeamSearch):
             return self._beam(prompt, call, resume)       # streams nothing until it is done
         state, requests, span_starts, healed = self._prepare(prompt, call, resume)
         steps = run(self.model, requests, call.sampler, call.generator(), call.hooks, call.max_backtracks)
-        hold = max((getattr(h, "lookback", 0) for h in call.hooks), default=0)
+        hold = _rollback_reach(call.hooks)
         stops = call.stops
         emitted = [0] * len(requests)
         try:
@@ -290,7 +253,9 @@ class Generator:
                     if r.done:
                         end = len(visible) if r.value_end is None else r.value_end - len(healed[i])
                     else:
-                        end = len(visible) - max(hold, stops.holdback(visible) if stops else 0)
+                        end = len(visible) - (stops.holdback(visible) if stops else 0)
+                        if call.hooks:      # text a hook can still roll back is not streamed
+                            end = min(end, r.rollback_floor(hold) - len(healed[i]))
                     if end > emitted[i]:
                         chunk = visible[emitted[i]:end]
                         emitted[i] = end
@@ -299,6 +264,16 @@ class Generator:
             results = stop.value
         rows = [self._row(r, res, st, h) for r, res, st, h in zip(state.rows, results, span_starts, healed)]
         return SequenceState(self.model, tuple(rows), state.batch, state.samples)
+
+
+def _rollback_reach(hooks: Sequence[Callable]) -> int | None:
+    """How many characters back the hooks may roll back; None when one does not say.
+
+    A hook declares it with a ``lookback`` attribute (``ban_phrases`` does); without one, any
+    generated text may still be rolled back, so a stream holds everything until the row ends.
+    """
+    reach = [getattr(h, "lookback", None) for h in hooks]
+    return None if None in reach else max(reach, default=0)
 
 
 def final_state(stream: Iterator[str]) -> SequenceState:
@@ -334,12 +309,13 @@ class ScoredChoice(Generator):
         self.length_normalize = length_normalize
 
     def _stream(self, prompt: Prompt, kwargs: dict, resume: bool):
-        call = Call(**kwargs)
+        call = Call.of(kwargs)
         if resume:
             raise ValueError("a scored choice has nothing to resume; call it again instead")
         state = self._fork(self._state(prompt), call.num_samples)
         self._requests(state, Call(max_tokens=max(map(len, self.option_ids))), [None] * len(state.rows))
-        scored = score_continuations(self.model, [r.tokens for r in state.rows], self.option_ids)
+        with self.model.lock, torch.inference_mode():
+            scored = self.model.backend.score([r.tokens for r in state.rows], self.option_ids)
         rows = []
         for row, per_option in zip(state.rows, scored):
             scores = {t: (sum(lps) / len(lps) if self.length_normalize else sum(lps))

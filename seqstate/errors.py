@@ -16,6 +16,7 @@ __all__ = [
     "ContextOverflowError",
     "ModelNotAvailable",
     "HookError",
+    "ArgumentError",
 ]
 
 
@@ -53,3 +54,10 @@ class ModelNotAvailable(SeqStateError, RuntimeError):
 
 class HookError(SeqStateError, RuntimeError):
     """A post-sampling hook returned an action that cannot be honoured."""
+
+
+class ArgumentError(SeqStateError, TypeError, ValueError):
+    """A keyword argument of the wrong type or value (a generator call's or a sampler's).
+
+    It is both a ``TypeError`` and a ``ValueError``, so code written for either catches it.
+    """

@@ -17,7 +17,7 @@ from typing import Protocol
 import interegular
 import torch
 
-from seqstate.errors import ConstraintError
+from seqstate.errors import ConstraintError, HookError
 
 __all__ = ["SampleEvent", "Accept", "Replace", "Resample", "Rollback", "Action", "Hook",
            "ban_phrases"]
@@ -45,9 +45,18 @@ class Resample:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Rollback:
     """Drop the sampled token and the last ``n`` accepted tokens of this call, then resample at
-    the first dropped position with the token that stood there banned."""
+    the first dropped position with the token that stood there banned.
+
+    ``Rollback(0)`` drops only the sampled token: the same as ``Resample()``.  A negative or
+    non-int ``n`` is a :class:`~seqstate.HookError`.
+    """
 
     n: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 0:
+            raise HookError(f"Rollback(n) takes an int n >= 0 (tokens to drop before the sampled "
+                            f"one), got {self.n!r}")
 
 
 Action = Accept | Replace | Resample | Rollback | None
@@ -64,16 +73,24 @@ class SampleEvent:
     logits: the model's logits (V,) at this position (read-only: a view).
     text: this call's generated text before the token; ``token_text`` is the token's text.
     generated: this call's accepted tokens so far; ``offsets[i]`` is where token i starts in text.
+    prompt: the row's text before this call (a phrase may begin there and end in ``text``).
     """
 
     __slots__ = ("row", "position", "token", "logprob", "logits", "text", "token_text",
-                 "generated", "offsets", "__dict__")
+                 "generated", "offsets", "_prompt", "__dict__")
 
     def __init__(self, row: int, position: int, token: int, logprob: float, logits: torch.Tensor,
-                 text: str, token_text: str, generated: Sequence[int], offsets: Sequence[int]) -> None:
+                 text: str, token_text: str, generated: Sequence[int], offsets: Sequence[int],
+                 prompt: Callable[[], str] | str = "") -> None:
         self.row, self.position, self.token, self.logprob = row, position, token, logprob
         self.logits, self.text, self.token_text = logits, text, token_text
         self.generated, self.offsets = generated, offsets
+        self._prompt = prompt
+
+    @cached_property
+    def prompt(self) -> str:
+        """The row's text before this call (decoded on first access)."""
+        return self._prompt() if callable(self._prompt) else self._prompt
 
     @property
     def prob(self) -> float:
@@ -118,16 +135,18 @@ class _BanPhrases:
             return False
 
     def __call__(self, event: SampleEvent) -> Action:
-        text = event.text + event.token_text
-        start = max(0, len(event.text) - self.lookback)
-        m = self.pattern.search(text, start)
-        if m is None or m.end() <= len(event.text):
+        # the prompt's tail takes part: a phrase may begin there and complete here
+        tail = event.prompt[-self.lookback:] if len(event.text) < self.lookback else ""
+        before = len(tail) + len(event.text)
+        text = tail + event.text + event.token_text
+        m = self.pattern.search(text, max(0, before - self.lookback))
+        if m is None or m.end() <= before:
             return None
-        begin = m.start()
-        if begin >= len(event.text):
+        begin = m.start() - len(tail)
+        if begin >= len(event.text) or not event.generated:
             return Resample((event.token,))
         # roll back to the accepted token that contains the start of the phrase
-        first = max(i for i, off in enumerate(event.offsets) if off <= begin)
+        first = max((i for i, off in enumerate(event.offsets) if off <= begin), default=0)
         return Rollback(len(event.generated) - first)
 
 

@@ -8,6 +8,8 @@ fills the middle as in numpy.  An int keeps its axis (with size 1).
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import operator
 from typing import Any
 
 from seqstate.errors import SlicingError
@@ -32,14 +34,31 @@ def _forms(shape: tuple[int, int]) -> str:
             "slice parts and at most one `...`")
 
 
-def _axis(key: Any, size: int, name: str, shape: tuple[int, int]) -> tuple[int, ...]:
-    if isinstance(key, bool) or not isinstance(key, (int, slice)):
+def _part(key: Any, name: str, shape: tuple[int, int]) -> int | slice:
+    """An int (numpy integers included) or a slice of ints with a non-zero step."""
+    if isinstance(key, slice):
+        bounds = (key.start, key.stop, key.step)
+        if not all(b is None or _integral(b) for b in bounds):
+            raise SlicingError(f"{name} slice {key!r} has non-integer bounds; {_forms(shape)}")
+        if key.step is not None and operator.index(key.step) == 0:
+            raise SlicingError(f"{name} slice {key!r} has step 0; use a non-zero step")
+        return slice(*(None if b is None else operator.index(b) for b in bounds))
+    if not _integral(key):
         raise SlicingError(f"{name} key {key!r} is not an int or a slice; {_forms(shape)}")
+    return operator.index(key)
+
+
+def _integral(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _axis(key: Any, size: int, name: str, shape: tuple[int, int]) -> tuple[int, ...]:
+    key = _part(key, name, shape)
     if isinstance(key, slice):
         return tuple(range(size))[key]
     if not -size <= key < size:
-        raise SlicingError(f"{name} index {key} is out of range for {size} {name} item(s); "
-                           f"use -{size}..{size - 1}")
+        raise SlicingError(f"{name} index {key} is out of range for {size} {name} item(s) "
+                           f"(use -{size}..{size - 1}); {_forms(shape)}")
     return (key % size,)
 
 
@@ -66,8 +85,7 @@ def normalize(key: Any, shape: tuple[int, int]) -> Selection:
     batch_key, sample_key, token_key = parts
     batch = _axis(batch_key, shape[0], "batch", shape)
     samples = _axis(sample_key, shape[1], "sample", shape)
-    if isinstance(token_key, bool) or not isinstance(token_key, (int, slice)):
-        raise SlicingError(f"token key {token_key!r} is not an int or a slice; {_forms(shape)}")
+    token_key = _part(token_key, "token", shape)
     if not batch or not samples:
         raise SlicingError(f"{key!r} selects no {'batch items' if not batch else 'samples'}; "
                            "a state keeps at least one of each")
@@ -80,12 +98,12 @@ def is_prefix(token_key: int | slice) -> bool:
             and token_key.step in (None, 1))
 
 
-def token_positions(token_key: int | slice, length: int) -> range:
+def token_positions(token_key: int | slice, length: int, shape: tuple[int, int]) -> range:
     """Positions of one row's tokens that ``token_key`` selects (an int must be in range)."""
     if isinstance(token_key, int):
         if not -length <= token_key < length:
             raise SlicingError(f"token index {token_key} is out of range for a row of {length} "
-                               f"tokens; use -{length}..{length - 1}")
+                               f"tokens (use -{length}..{length - 1}); {_forms(shape)}")
         i = token_key % length
         return range(i, i + 1)
     return range(length)[token_key]

@@ -212,7 +212,7 @@ class SequenceState:
         for b in sel.batch:
             for s in sel.samples:
                 row = self.row(b, s)
-                rows.append(row.select(token_positions(sel.token, len(row.tokens)), prefix))
+                rows.append(row.select(token_positions(sel.token, len(row.tokens), self.shape), prefix))
         return SequenceState(self.model, tuple(rows), len(sel.batch), len(sel.samples))
 
     @property

@@ -6,7 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import seqstate as ss
-from seqstate.engine import RowRequest, ensure_kv, generate, next_logits
+from seqstate.backends.hf.prefill import ensure_kv
+from seqstate.engine import RowRequest, generate, next_logits
 from seqstate.sampling import greedy, multinomial
 
 PROMPTS = ["Q: name three vehicles.\nA:", "Hello", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,"]

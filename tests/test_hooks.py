@@ -152,3 +152,29 @@ def test_hooks_chain_in_order(tiny):
     resample_first = lambda e: Resample() if e.token == first else None  # noqa: E731
     s = ss.text(tiny)("x", max_tokens=1, hooks=[record, resample_first])
     assert seen[0] == first and seen[-1] == s.token_ids[0][0][-1] != first and len(seen) == 2
+
+
+def test_rollback_zero_is_a_resample_and_negative_is_an_error(tiny):
+    seen = []
+
+    def once(event):
+        seen.append(event.token)
+        return Rollback(0) if len(seen) == 1 else None
+
+    s = ss.text(tiny)("Hello", max_tokens=2, hooks=[once])
+    assert s.token_ids[0][0][-2] != seen[0]           # the first sampled token was banned there
+    with pytest.raises(ss.HookError, match="n >= 0"):
+        ss.text(tiny)("Hello", max_tokens=2, hooks=[lambda e: Rollback(-1)])
+    with pytest.raises(ss.HookError):
+        Rollback(1.5)
+
+
+def test_ban_phrase_that_begins_in_the_prompt(tiny):
+    base = ss.text(tiny)("The weather is", max_tokens=1)
+    nxt = base.token_ids[0][0][-1]
+    phrase = "is" + tiny.vocab.decode([nxt])          # "is" from the prompt + the greedy token
+    prompt = base[..., :-1]
+    ban = ss.hooks.ban_phrases([phrase], ignore_case=False)
+    s = ss.text(tiny)(prompt, max_tokens=3, hooks=[ban])
+    assert phrase not in str(s)
+    assert s.token_ids[0][0][len(prompt.token_ids[0][0])] != nxt

@@ -48,9 +48,9 @@ def test_slicing_error_is_index_error():
 
 
 def test_token_positions_and_prefix():
-    assert list(token_positions(-1, 5)) == [4]
-    assert list(token_positions(slice(None, -2), 5)) == [0, 1, 2]
+    assert list(token_positions(-1, 5, (1, 1))) == [4]
+    assert list(token_positions(slice(None, -2), 5, (1, 1))) == [0, 1, 2]
     assert is_prefix(slice(None, 3)) and is_prefix(slice(0, None, 1))
     assert not is_prefix(slice(1, 3)) and not is_prefix(slice(None, None, 2)) and not is_prefix(2)
     with pytest.raises(SlicingError, match="out of range for a row of 5"):
-        token_positions(5, 5)
+        token_positions(5, 5, (1, 1))

@@ -26,7 +26,7 @@ def test_tiny_is_deterministic_and_leaves_global_rng_alone():
 
 
 def test_protocol(tiny):
-    assert isinstance(tiny, ss.models.LanguageModel)
+    assert isinstance(tiny, ss.models.BaseModel)
     assert tiny.eos_token_ids == frozenset({2})
     assert tiny.vocab.decode(tiny.encode("café naïve 日本")) == "café naïve 日本"
 
@@ -43,7 +43,7 @@ def test_default_logits_equal_direct_transformers_forward(real, tmp_path):
     ours = real.full_logits(ids)
     assert (ours - ref).abs().max().item() == 0.0
     # and the dequantized weights are the GGUF's: compare against a fresh GGUF load
-    gguf = loading._gguf_path()
+    gguf = loading.default_gguf()
     from_gguf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                      dtype=torch.float32, local_files_only=True)
     with torch.no_grad():

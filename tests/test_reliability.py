@@ -1,6 +1,7 @@
 """Reliability: bounded memory under a soak, threads, faults that lose nothing, bad input."""
 
 import gc
+import re
 import random
 import resource
 import threading
@@ -154,7 +155,58 @@ BAD_INPUTS = [
     ("NaN logits", lambda m: Stepper(m, [[1, 2]]).step(torch.full((1, m.vocab.size), float("nan"))),
      ValueError),
     ("token ids outside vocab", lambda m: ss.from_tokens(m, [[10**9]]), ValueError),
+    ("nested repetition", lambda m: ss.regex(m, r"(a{500}){500}"), ss.ConstraintError),
+    ("seed not an int", lambda m: ss.text(m)("x", seed="a"), ss.ArgumentError),
+    ("rng not a Generator", lambda m: ss.text(m)("x", rng=42), ss.ArgumentError),
+    ("fractional top_k", lambda m: ss.multinomial(top_k=2.5), ss.ArgumentError),
+    ("top_p above 1", lambda m: ss.multinomial(top_p=1.5), ss.ArgumentError),
+    ("bool num_samples", lambda m: ss.text(m)("x", num_samples=True), ss.ArgumentError),
+    ("int stop_at", lambda m: ss.text(m)("x", stop_at=5), ss.ArgumentError),
+    ("a hook, not a list", lambda m: ss.text(m)("x", hooks=lambda e: None), ss.ArgumentError),
+    ("zero step", lambda m: ss.from_tokens(m, [[1, 2]])[..., ::0], ss.SlicingError),
+    ("float bound", lambda m: ss.from_tokens(m, [[1, 2]])[..., :2.0], ss.SlicingError),
 ]
+
+FOREIGN_KEYWORDS = [("temperature", 0.7, "ss.multinomial(temperature"),
+                    ("max_new_tokens", 5, "max_tokens="), ("stop", "\n", "stop_at="),
+                    ("top_p", 0.9, "ss.multinomial(top_p"), ("num_return_sequences", 2, "num_samples=")]
+
+
+@pytest.mark.parametrize("name,value,spelling", FOREIGN_KEYWORDS, ids=[k[0] for k in FOREIGN_KEYWORDS])
+def test_keywords_from_other_libraries_name_the_seqstate_spelling(fresh_tiny, name, value, spelling):
+    with pytest.raises(ss.ArgumentError, match=re.escape(spelling)):
+        ss.text(fresh_tiny)("x", **{name: value})
+    assert fresh_tiny.stats.forward_calls == 0
+
+
+def test_greedy_with_seed_or_samples_warns(tiny):
+    with pytest.warns(UserWarning, match="greedy"):
+        ss.text(tiny)("x", max_tokens=1, seed=1)
+    with pytest.warns(UserWarning, match="identical copies"):
+        ss.text(tiny)("x", max_tokens=1, num_samples=2)
+
+
+def test_empty_state_continues_from_the_start_token(tiny):
+    text = ss.text(tiny)
+    expected = text("", max_tokens=3).token_ids
+    assert text(ss.from_tokens(tiny, [[]]), max_tokens=3).token_ids == expected
+    base = text("Hello", max_tokens=2)
+    before = base.token_ids
+    assert text(base[..., :0], max_tokens=3).token_ids == expected
+    assert base.token_ids == before                                 # the original is untouched
+
+
+def test_numpy_integer_keys_work_like_ints(tiny):
+    np = pytest.importorskip("numpy")
+    s = ss.from_tokens(tiny, [[1, 2, 3], [4, 5, 6]])
+    assert s[np.int64(1), :np.int32(2)].token_ids == s[1, :2].token_ids
+
+
+def test_out_of_range_messages_name_shape_and_forms(tiny):
+    s = ss.from_tokens(tiny, [[1, 2, 3]])
+    for key in (7, (0, 0, 9), (Ellipsis, 5)):
+        with pytest.raises(ss.SlicingError, match=r"shape \(1, 1\).*state\[batch, sample, token\]"):
+            s[key]
 
 
 @pytest.mark.parametrize("name,call,error", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])

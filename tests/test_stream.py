@@ -67,3 +67,50 @@ def test_token_healing_with_choice(tiny):
     s = ss.choice(tiny, ["s://a.com", "://b.org"])("The url is http", token_healing=True)
     assert str(s) in ("The url is https://a.com", "The url is http://b.org")
     assert s.value in ("s://a.com", "://b.org")
+
+
+def test_stream_never_emits_text_a_ban_rolls_back(tiny):
+    # ban two-token phrases that greedy decoding produces, so rollbacks reach back past a token
+    free = ss.text(tiny)("Once upon a time", max_tokens=24)
+    gen = free.token_ids[0][0][-24:]
+    phrases = [tiny.vocab.decode(gen[i:i + 2]).strip() for i in range(0, 20, 5)]
+    phrases = [p for p in phrases if len(p) >= 3]
+    hook = ss.hooks.ban_phrases(phrases)
+    chunks, state = collect(ss.text(tiny).stream("Once upon a time", max_tokens=24, hooks=[hook]))
+    assert "".join(chunks) == state.value
+    assert not any(p.lower() in state.value.lower() for p in phrases)
+
+
+def test_stream_with_a_hook_that_gives_no_lookback_holds_everything(tiny):
+    from seqstate.hooks import Rollback
+
+    fired = []
+
+    def late_rollback(event):
+        if len(event.generated) == 6 and not fired:
+            fired.append(True)
+            return Rollback(5)
+        return None
+
+    chunks, state = collect(ss.text(tiny).stream("Hello", max_tokens=10, hooks=[late_rollback]))
+    assert fired and "".join(chunks) == state.value
+
+
+def test_healing_does_not_lose_prompt_text(tiny):
+    s = ss.text(tiny)("The url is http", max_tokens=1, token_healing=True)
+    assert str(s).startswith("The url is http") and len(str(s)) > len("The url is http")
+    assert s.value and str(s) == "The url is http" + s.value
+    # re-spell the healed "\n" with its own token, then write "ok": the stop must not fire early
+    from seqstate.hooks import Replace
+
+    spelled = tiny.encode("\n") + tiny.encode("ok")
+    force = lambda e: Replace(spelled[len(e.generated)]) if len(e.generated) < 2 else None  # noqa: E731
+    s = ss.text(tiny)("Line\n", stop_at="\n", token_healing=True, max_tokens=1, hooks=[force])
+    assert str(s) == "Line\nok" and s.value == "ok" and s.finish_reason == "max_tokens"
+
+
+@pytest.mark.real
+def test_healing_budget_counts_only_new_text(real):
+    s = ss.text(real)("The url is http", max_tokens=1, token_healing=True)
+    assert str(s).startswith("The url is http")
+    assert len(str(s)) > len("The url is http")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import json
 import re
+import re._constants as _sre
+import re._parser as _parser
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,19 +33,61 @@ def _cached(model, key: tuple, build: Callable[[], Any]) -> Any:
 
 
 MAX_PATTERN_CHARS = 20_000
-MAX_REPEAT = 1_000
+MAX_REPEAT = 1_000          # the largest product of nested repetition bounds
+MAX_EXPANDED = 50_000       # character positions of the regex with repetitions unrolled
+
+
+def _expanded_size(nodes, factor: int, pattern: str) -> int:
+    """Character positions of parsed regex ``nodes`` with every bounded repetition unrolled.
+
+    ``factor`` is the product of the enclosing repetition bounds; it alone is checked against
+    ``MAX_REPEAT``, because the automaton's size grows with the product, not with each bound.
+    """
+    size = 0
+    for op, arg in nodes:
+        name = str(op)
+        if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            lo, hi, sub = arg
+            bound = lo + 1 if hi == _sre.MAXREPEAT else hi
+            if factor * bound > MAX_REPEAT:
+                raise ConstraintError(
+                    f"nested repetitions in {_short(pattern)} repeat {factor * bound} times in "
+                    f"all (the product of their bounds), more than {MAX_REPEAT}; lower the "
+                    "bounds, or generate the parts in separate calls or with a grammar (ss.cfg)")
+            size += bound * _expanded_size(sub, factor * bound, pattern)
+        elif name == "SUBPATTERN":
+            size += _expanded_size(arg[-1], factor, pattern)
+        elif name == "BRANCH":
+            size += sum(_expanded_size(alt, factor, pattern) for alt in arg[1])
+        elif name in ("ASSERT", "ASSERT_NOT", "ATOMIC_GROUP"):
+            size += _expanded_size(arg[-1] if name != "ATOMIC_GROUP" else arg, factor, pattern)
+        elif name != "AT":
+            size += 1
+    return size
+
+
+def _short(pattern: str) -> str:
+    return repr(pattern if len(pattern) <= 60 else pattern[:57] + "...")
 
 
 def _check_size(pattern: str, max_chars: int = MAX_PATTERN_CHARS) -> None:
-    """Refuse regexes whose automaton would be huge, before compiling anything."""
+    """Refuse regexes whose automaton would be huge, before compiling anything.
+
+    Compiling cannot be interrupted once it starts, so the bound is decided from the parsed
+    pattern: its length, the product of nested repetition bounds and the unrolled size.
+    """
     if len(pattern) > max_chars:
-        raise ConstraintError(f"regex of {len(pattern)} characters exceeds {MAX_PATTERN_CHARS}; "
+        raise ConstraintError(f"regex of {len(pattern)} characters exceeds {max_chars}; "
                               "split the task into several calls or use a grammar (ss.cfg)")
-    for m in re.finditer(r"(?<!\\)\{(\d+)(?:,(\d*))?\}", pattern):
-        bound = max(int(m.group(1)), int(m.group(2) or 0))
-        if bound > MAX_REPEAT:
-            raise ConstraintError(f"repetition {m.group(0)} at position {m.start()} exceeds "
-                                  f"{MAX_REPEAT}; bound it lower or use max_tokens instead")
+    try:
+        parsed = _parser.parse(pattern)
+    except (re.error, RecursionError, OverflowError):
+        return                  # not Python syntax; outlines_core reports its own errors
+    size = _expanded_size(parsed, 1, pattern)
+    if size > MAX_EXPANDED:
+        raise ConstraintError(f"regex {_short(pattern)} unrolls to {size} character positions, "
+                              f"more than {MAX_EXPANDED}; lower its repetition bounds, split it "
+                              "over several calls or use a grammar (ss.cfg)")
 
 
 def regex(model, pattern: str) -> RegexConstraint:

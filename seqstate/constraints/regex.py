@@ -16,7 +16,7 @@ from outlines_core import Index, Vocabulary
 
 from seqstate.errors import ConstraintError
 
-__all__ = ["RegexConstraint", "RegexCursor", "byte_vocabulary"]
+__all__ = ["RegexConstraint", "RegexCursor", "byte_vocabulary", "anchored"]
 
 _MASK_CACHE = 1024       # allowed-token masks kept per compiled constraint
 
@@ -33,6 +33,17 @@ def byte_vocabulary(model) -> Vocabulary:
     return Vocabulary(eos, table)
 
 
+def anchored(pattern: str) -> str:
+    """``pattern`` as outlines_core must see it so that every string of its language is allowed.
+
+    The automaton underneath uses leftmost-first match semantics: once a higher-priority
+    alternative has matched, the threads of lower-priority ones are dropped, so ``cat|catalog``
+    would never allow "catalog".  Anchoring at the end of the text means nothing has matched
+    until the text ends, which keeps every alternative alive.
+    """
+    return f"(?:{pattern})$"
+
+
 class RegexConstraint:
     """A compiled regex over a model's vocabulary: frozen and shared by every row."""
 
@@ -43,7 +54,7 @@ class RegexConstraint:
         self.vocab_size = model.vocab.size
         self.eos = sorted(model.eos_token_ids)
         try:
-            self.index = index if index is not None else Index(pattern, _vocabulary(model))
+            self.index = index if index is not None else Index(anchored(pattern), _vocabulary(model))
         except Exception as exc:
             raise ConstraintError(f"cannot compile regex {pattern!r}: {exc}; check the pattern "
                                   "(Python `re` syntax, no lookarounds or backreferences)") from exc

@@ -13,12 +13,9 @@ from collections.abc import Generator, Sequence
 
 import torch
 
-from seqstate.engine.decode import _load, _store_row
-from seqstate.engine.prefill import ensure_kv
+from seqstate.engine.decode import FIRST_CAPACITY, commit
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.engine.step import allowed_mask
-from seqstate.kv.hf_cache import as_cache
-from seqstate.models.hf import Model
 from seqstate.sampling.params import BeamSearch
 
 __all__ = ["beam_run"]
@@ -30,100 +27,94 @@ class _Beam:
     weight: float          # log-prob of every generated token of the program so far
     length: int            # generated tokens of the program so far
     group: int
-    slot: int = -1         # decode-buffer row holding this beam's KV
+    slot: int = -1         # batch slot holding this beam's KV
 
 
-def beam_run(model: Model, groups: Sequence[Sequence[tuple[RowRequest, float, int]]],
+def beam_run(model, groups: Sequence[Sequence[tuple[RowRequest, float, int]]],
              params: BeamSearch) -> Generator[list[LiveRow], None, list[list[tuple[RowResult, float, int]]]]:
     """Beam-search each group (one batch item's incoming beams: request, weight, length).
 
     Returns, per group, up to ``width`` ``(result, score, origin)`` triples sorted best-first;
     ``origin`` is the index of the incoming beam (within its group) the result descends from.
     """
-    width = params.width
     with model.lock, torch.inference_mode():
         flat = [(g, req, w, n) for g, beams in enumerate(groups) for req, w, n in beams]
-        handles = ensure_kv(model, [req.tokens for _, req, _, _ in flat])
-        beams = []
-        for slot, ((g, req, w, n), h) in enumerate(zip(flat, handles)):
-            row = LiveRow(req, model.vocab, model.eos_token_ids, h)
-            row.origin = slot - sum(len(groups[j]) for j in range(g))
-            beams.append(_Beam(row, w, n, g, slot))
-        buf, mask = _load(model, handles, min(max(req.max_new for _, req, _, _ in flat), 64) + 1)
-        cache = as_cache(buf)
-        finished: list[list[tuple[RowResult, float, int]]] = [[] for _ in groups]
-        open_groups = set(range(len(groups)))
-        while beams:
-            buf.ensure(buf.length + 1)
-            if mask.shape[1] < buf.capacity:
-                mask = torch.cat([mask, mask.new_zeros(mask.shape[0], buf.capacity - mask.shape[1])], 1)
-            # 1. forward the last token of every live beam
-            col = buf.length
-            ids = torch.tensor([[b.row.tokens[-1]] for b in beams], device=model.device)      # (N, 1)
-            pos = torch.tensor([[len(b.row.tokens) - 1] for b in beams], device=model.device)  # (N, 1)
-            mask[:, col] = 1
-            logits = model.forward(ids, mask[:, : col + 1].to(model.device), pos, cache)     # (N, V)
-            buf.length += 1
-            model.count(decode_tokens=len(beams))
-            for b in beams:
-                b.row.cols.append(col)
-            # 2. constrain and score: candidates are (weight + log-prob) of allowed tokens
-            logprobs = logits.log_softmax(dim=-1)                                             # (N, V)
-            scores = logprobs.clone()
-            for i, b in enumerate(beams):
-                allowed = allowed_mask(b.row, logits.shape[-1])
-                if allowed is not None:
-                    scores[i].masked_fill_(~allowed, float("-inf"))
-            # 3. per batch item, keep the best `width` children; finished ones are set aside
-            survivors: list[_Beam] = []
-            for g in sorted(open_groups):
-                mine = [i for i, b in enumerate(beams) if b.group == g]
-                k = min(2 * width, scores.shape[-1])
-                top = scores[mine].topk(k, dim=-1)                                             # (n, k)
-                cands = sorted(((beams[mine[r]].weight + v, mine[r], t)
-                                for r in range(len(mine)) for v, t in
-                                zip(top.values[r].tolist(), top.indices[r].tolist()) if v > float("-inf")),
-                               reverse=True)
-                kept: list[_Beam] = []
-                seen: set[tuple[int, ...]] = set()
-                for total, i, token in cands:
-                    if len(kept) >= width:
-                        break
-                    parent = beams[i]
-                    child = parent.row.fork()
-                    child.accept(token, logprobs[i, token].item())
-                    key = tuple(child.tokens) + ((-1,) if child.done else ())
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    grown = parent.length + (len(child.tokens) > len(parent.row.tokens))
-                    beam = _Beam(child, total, grown, g, i)
-                    if child.done:
-                        finished[g].append((_store_row(model, child, buf, i),
-                                            params.score(total, grown), child.origin))
-                    else:
-                        kept.append(beam)
-                if not kept and not finished[g]:            # nothing allowed anywhere: dead ends
-                    for i in mine:
-                        beams[i].row.finish("dead_end")
-                        finished[g].append((_store_row(model, beams[i].row, buf, i),
-                                            params.score(beams[i].weight, beams[i].length),
-                                            beams[i].row.origin))
-                finished[g].sort(key=lambda rs: rs[1], reverse=True)
-                del finished[g][width:]
-                best_live = max((params.score(b.weight, b.length) for b in kept), default=float("-inf"))
-                full = len(finished[g]) >= width
-                if not kept or (full and (params.early_stopping or best_live <= finished[g][-1][1])):
-                    open_groups.discard(g)
+        longest = max(req.max_new for _, req, _, _ in flat)
+        batch, _ = model.backend.open([req.tokens for _, req, _, _ in flat],
+                                      min(longest, FIRST_CAPACITY) + 1)
+        try:
+            return (yield from _search(model, batch, groups, flat, params))
+        finally:
+            batch.close()
+
+
+def _search(model, batch, groups, flat, params: BeamSearch):
+    width = params.width
+    beams = []
+    for slot, (g, req, w, n) in enumerate(flat):
+        row = LiveRow(req, model.vocab, model.eos_token_ids)
+        row.origin = slot - sum(len(groups[j]) for j in range(g))
+        beams.append(_Beam(row, w, n, g, slot))
+    finished: list[list[tuple[RowResult, float, int]]] = [[] for _ in groups]
+    open_groups = set(range(len(groups)))
+    while beams:
+        # 1. forward the last token of every live beam
+        logits = batch.forward([b.slot for b in beams], [b.row.tokens[-1] for b in beams])  # (N, V)
+        # 2. constrain and score: candidates are (weight + log-prob) of allowed tokens
+        logprobs = logits.log_softmax(dim=-1)                                             # (N, V)
+        scores = logprobs.clone()
+        for i, b in enumerate(beams):
+            allowed = allowed_mask(b.row, logits.shape[-1])
+            if allowed is not None:
+                scores[i].masked_fill_(~allowed, float("-inf"))
+        # 3. per batch item, keep the best `width` children; finished ones are set aside
+        survivors: list[_Beam] = []
+        for g in sorted(open_groups):
+            mine = [i for i, b in enumerate(beams) if b.group == g]
+            k = min(2 * width, scores.shape[-1])
+            top = scores[mine].topk(k, dim=-1)                                             # (n, k)
+            cands = sorted(((beams[mine[r]].weight + v, mine[r], t)
+                            for r in range(len(mine)) for v, t in
+                            zip(top.values[r].tolist(), top.indices[r].tolist()) if v > float("-inf")),
+                           reverse=True)
+            kept: list[_Beam] = []
+            seen: set[tuple[int, ...]] = set()
+            for total, i, token in cands:
+                if len(kept) >= width:
+                    break
+                parent = beams[i]
+                child = parent.row.fork()
+                child.accept(token, logprobs[i, token].item())
+                key = tuple(child.tokens) + ((-1,) if child.done else ())
+                if key in seen:
+                    continue
+                seen.add(key)
+                grown = parent.length + (len(child.tokens) > len(parent.row.tokens))
+                beam = _Beam(child, total, grown, g, beams[i].slot)
+                if child.done:
+                    finished[g].append((commit(batch, beams[i].slot, child),
+                                        params.score(total, grown), child.origin))
                 else:
-                    survivors.extend(kept)
-            yield [b.row for b in survivors]
-            # 4. reorder the decode buffer to the surviving parents
-            if survivors:
-                parents = torch.tensor([b.slot for b in survivors])
-                buf.keep_rows(parents)
-                mask = mask.index_select(0, parents)
-                for slot, b in enumerate(survivors):
-                    b.slot = slot
-            beams = survivors
-        return finished
+                    kept.append(beam)
+            if not kept and not finished[g]:            # nothing allowed anywhere: dead ends
+                for i in mine:
+                    beams[i].row.finish("dead_end")
+                    finished[g].append((commit(batch, beams[i].slot, beams[i].row),
+                                        params.score(beams[i].weight, beams[i].length),
+                                        beams[i].row.origin))
+            finished[g].sort(key=lambda rs: rs[1], reverse=True)
+            del finished[g][width:]
+            best_live = max((params.score(b.weight, b.length) for b in kept), default=float("-inf"))
+            full = len(finished[g]) >= width
+            if not kept or (full and (params.early_stopping or best_live <= finished[g][-1][1])):
+                open_groups.discard(g)
+            else:
+                survivors.extend(kept)
+        yield [b.row for b in survivors]
+        # 4. reorder the batch to the surviving parents
+        if survivors:
+            batch.reorder([b.slot for b in survivors])
+            for slot, b in enumerate(survivors):
+                b.slot = slot
+        beams = survivors
+    return finished

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+from functools import cached_property
+
 from seqstate.constraints.base import Cursor
 from seqstate.detokenize import IncrementalDecoder, StopMatcher, TokenVocabulary
-from seqstate.kv.store import KVHandle
+from seqstate.backends.base import Handle
 
 __all__ = ["RowRequest", "RowResult", "LiveRow"]
 
@@ -18,6 +21,7 @@ class RowRequest:
     max_new: int
     cursor: Cursor | None = None
     stop: StopMatcher | None = None
+    healed: int = 0        # leading generated characters that re-spell the prompt (healing)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -30,22 +34,18 @@ class RowResult:
     cursors: tuple[Cursor | None, ...]        # per new token: the constraint cursor after it
     finish_reason: str
     text: str                                 # generated text, without a matched stop string
-    handle: KVHandle | None                   # KV of a prefix of `tokens` (None from a Stepper)
+    handle: Handle | None                     # KV of a prefix of `tokens` (None from a Stepper)
 
 
 class LiveRow:
     """Mutable per-row bookkeeping inside one engine call; never escapes it."""
 
-    def __init__(self, req: RowRequest, vocab: TokenVocabulary, eos: frozenset[int],
-                 handle: KVHandle | None = None) -> None:
+    def __init__(self, req: RowRequest, vocab: TokenVocabulary, eos: frozenset[int]) -> None:
         self.req = req
         self.vocab = vocab
         self.eos = eos
         self.tokens = list(req.tokens)
         self.start = len(req.tokens)
-        self.handle = handle                  # KV of tokens[:base] in the store
-        self.base = 0 if handle is None else handle.length
-        self.cols: list[int] = []             # decode-buffer columns of tokens[base:], in order
         self.cursor = req.cursor
         self.logprobs: list[float | None] = []
         self.cursors: list[Cursor | None] = []
@@ -55,6 +55,7 @@ class LiveRow:
         self.origin = 0                       # which incoming row a beam descends from
         self.decoder = IncrementalDecoder(vocab)
         self.text = ""
+        self.free = 0                          # leading tokens that only re-spell the prompt
         self.value_end: int | None = None
         self.kv_limit = 1 << 62                # a stop-string cut invalidates KV past this
         self.finish_reason: str | None = None
@@ -64,11 +65,26 @@ class LiveRow:
         child = object.__new__(LiveRow)
         for name, value in self.__dict__.items():
             setattr(child, name, value)
-        for name in ("tokens", "cols", "logprobs", "cursors", "offsets"):
+        for name in ("tokens", "logprobs", "cursors", "offsets"):
             setattr(child, name, list(getattr(self, name)))
         child.bans = {k: set(v) for k, v in self.bans.items()}
         child.decoder = self.decoder.copy()
         return child
+
+    @cached_property
+    def prompt_text(self) -> str:
+        """The text before this call's first generated token (hooks match across it)."""
+        return self.vocab.decode(self.tokens[: self.start])
+
+    def rollback_floor(self, lookback: int | None) -> int:
+        """The earliest offset in ``text`` a hook looking ``lookback`` characters back can roll
+        back to: the start of the token holding that character (None: anywhere)."""
+        if lookback is not None and lookback <= 0:
+            return len(self.text)
+        pos = 0 if lookback is None else len(self.text) - lookback
+        if pos <= 0 or not self.offsets:
+            return 0
+        return self.offsets[bisect.bisect_right(self.offsets, pos) - 1]
 
     @property
     def done(self) -> bool:
@@ -95,16 +111,20 @@ class LiveRow:
         self.offsets.append(len(self.text))
         chunk = self.decoder.push(token)
         self.text += chunk
+        if len(self.text) <= self.req.healed and self.free == len(self.generated) - 1:
+            self.free += 1
         stop = self.req.stop
         if stop is not None and chunk:
-            begin, end = stop.find(self.text, len(self.text) - len(chunk) - stop.longest + 1)
+            # stop strings match only text after the original prompt (not a healed re-spelling)
+            first = max(self.req.healed, len(self.text) - len(chunk) - stop.longest + 1)
+            begin, end = stop.find(self.text, first)
             if begin >= 0:
                 self._cut_at(begin, end)
                 self.finish("stop")
                 return chunk
         if self.cursor is not None and self.cursor.complete:
             self.finish("constraint_complete")
-        elif len(self.tokens) - self.start >= self.req.max_new:
+        elif len(self.generated) - self.free >= self.req.max_new:
             self.finish("max_tokens")
         return chunk
 
@@ -120,6 +140,7 @@ class LiveRow:
         self.cursor = self.cursors[-1] if self.cursors else self.req.cursor
         self.decoder = IncrementalDecoder(self.vocab)
         self.text = "".join(self.decoder.push(t) for t in self.generated)
+        self.free = min(self.free, len(self.generated))
 
     def _cut_at(self, begin: int, end: int) -> None:
         """End the row right after the stop string; the value excludes it.
@@ -141,11 +162,11 @@ class LiveRow:
         self.cursors[k:] = [None] * len(extra)
         self.text = self.text[:end]
 
-    def kv_valid(self) -> int:
-        """How many leading tokens of ``tokens`` the buffer + handle hold KV for."""
-        return min(self.base + len(self.cols), len(self.tokens) - 1, self.kv_limit)
+    def kv_valid(self, held: int) -> int:
+        """How many leading tokens of ``tokens`` have valid KV, of the ``held`` a batch holds."""
+        return min(held, len(self.tokens) - 1, self.kv_limit)
 
-    def result(self, handle: KVHandle | None) -> RowResult:
+    def result(self, handle: Handle | None) -> RowResult:
         text = self.text if self.value_end is None else self.text[: self.value_end]
         return RowResult(tuple(self.tokens), self.start, tuple(self.logprobs),
                          tuple(self.cursors), self.finish_reason or "max_tokens", text, handle)

@@ -147,7 +147,8 @@ class Stepper:
         while k < len(self.hooks):
             hook = self.hooks[k]
             event = SampleEvent(i, len(row.tokens), token, logprobs[token].item(), logits,
-                                row.text, self.vocab.decode([token]), row.generated, row.offsets)
+                                row.text, self.vocab.decode([token]), row.generated, row.offsets,
+                                lambda: row.prompt_text)
             action = hook(event)
             if action is None or isinstance(action, Accept):
                 k += 1
@@ -166,12 +167,14 @@ class Stepper:
             if row.backtracks > self.max_backtracks:
                 row.finish("max_backtracks")
                 return token, 0
-            if isinstance(action, Rollback) and action.n > 0:
+            if isinstance(action, Rollback):
                 if action.n > len(row.generated):
                     raise HookError(f"hook {hook!r} asked to roll back {action.n} tokens but this "
                                     f"call has generated only {len(row.generated)}")
-                row.rollback(action.n)
-                return token, action.n
+                if action.n > 0:
+                    row.rollback(action.n)
+                    return token, action.n
+                action = Resample()                 # Rollback(0) drops just the sampled token
             banned = list(action.ban or (token,))
             masked[banned] = float("-inf")
             if not torch.isfinite(masked).any():

@@ -1,9 +1,10 @@
-"""Models: the `LanguageModel` protocol, the transformers adapter and the loaders."""
+"""Models: the engine-independent base, the transformers adapter and the loaders."""
 
 from seqstate.models import testing
-from seqstate.models.base import LanguageModel, Stats
+from seqstate.models.base import BaseModel, Stats
 from seqstate.models.hf import Model
-from seqstate.models.loading import cache_dir, default, from_hf, from_outlines, transformers
+from seqstate.models.loading import (cache_dir, default, default_gguf, from_hf, from_outlines,
+                                      llamacpp, transformers)
 
-__all__ = ["LanguageModel", "Model", "Stats", "default", "transformers", "from_hf",
-           "from_outlines", "cache_dir", "testing"]
+__all__ = ["BaseModel", "Model", "Stats", "default", "transformers", "from_hf",
+           "from_outlines", "cache_dir", "testing", "llamacpp", "default_gguf"]

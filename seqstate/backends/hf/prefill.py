@@ -9,13 +9,16 @@ mask with holes and explicit position ids (exact; see DESIGN.md facts).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from seqstate.kv.buffer import KVBuffer
 from seqstate.kv.hf_cache import as_cache
 from seqstate.kv.store import KVHandle
-from seqstate.models.hf import Model
+
+if TYPE_CHECKING:
+    from seqstate.models.hf import Model
 
 __all__ = ["ensure_kv", "run_tails", "SHARED_PREFIX_MIN", "PREFILL_CHUNK", "PREFILL_BATCH_TOKENS"]
 

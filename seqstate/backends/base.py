@@ -1,0 +1,118 @@
+"""The backend protocol: what the generators and the decode loop need from an engine.
+
+The cut is at *rows*, not at ``forward(cache)``: a backend makes sure each row's prefix has KV
+(computing only what no stored prefix covers), runs one token per working row and returns
+next-token logits, forgets a row's trailing KV (rollback), copies rows (beam search), stores a
+finished row's KV so later states reuse it, and scores whole continuations.  How KV is kept is
+the backend's business: torch segments in a radix store (``hf``), sequences sharing cells inside
+llama.cpp (``llamacpp``), or a remote server's prefix cache.
+
+Handles
+    A handle pins the KV of the first ``length`` tokens of one row's token path.  States hold
+    handles; while one is alive the backend never drops that KV.  ``handle.prefix(n)`` is a
+    handle on the first ``n`` tokens (slicing back), sharing the same stored KV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Capabilities", "Handle", "Batch", "Backend"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend can do; generators raise a typed error naming a missing capability.
+
+    Attributes
+    ----------
+    name: the engine's name, for messages (``"hf"``, ``"llama.cpp"``).
+    full_logits: next-token logits over the whole vocabulary (needed for masks, hooks, beams).
+    prefix_sharing: token-level KV sharing between rows (forks store a prefix once).
+    batching: several rows run in one forward.
+    exact: logits equal a fresh fp32 evaluation to fp32 noise (the exactness reference).
+    max_rows: most working rows one batch can hold at once (None: no fixed limit).
+    """
+
+    name: str
+    full_logits: bool = True
+    prefix_sharing: bool = True
+    batching: bool = True
+    exact: bool = False
+    max_rows: int | None = None
+
+
+@runtime_checkable
+class Handle(Protocol):
+    """A pinned reference to the KV of the first ``length`` tokens of a row."""
+
+    @property
+    def length(self) -> int: ...
+
+    def prefix(self, n: int) -> Handle:
+        """A handle on the first ``n`` tokens (clipped to ``length``)."""
+        ...
+
+
+@runtime_checkable
+class Batch(Protocol):
+    """The working rows ("slots") of one engine call.  Slot ``i`` starts as row ``i`` of
+    :meth:`Backend.open`, holding the KV of ``row[:-1]``."""
+
+    def forward(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """Feed ``tokens[j]`` to ``slots[j]`` at that slot's next position (all in one batch).
+
+        Returns float32 next-token logits ``(len(slots), V)``.  Each slot's KV grows by one.
+        """
+        ...
+
+    def length(self, slot: int) -> int:
+        """Tokens of the slot's row whose KV the slot holds."""
+        ...
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Forget the slot's KV past its first ``length`` tokens (a hook's rollback)."""
+        ...
+
+    def reorder(self, parents: Sequence[int]) -> None:
+        """New slot ``j`` continues old slot ``parents[j]``; parents may repeat (beam search)
+        or be left out (finished rows stop costing compute)."""
+        ...
+
+    def commit(self, slot: int, tokens: Sequence[int], length: int) -> Handle:
+        """Store the slot's KV of ``tokens[:length]`` so later rows reuse it; a pinned handle."""
+        ...
+
+    def close(self) -> None:
+        """Release the working rows (committed KV stays in the store)."""
+        ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """An engine behind the generators.  One per model; calls are serialised by the caller."""
+
+    capabilities: Capabilities
+
+    def open(self, rows: Sequence[Sequence[int]], extra: int) -> tuple[Batch, list[Handle]]:
+        """Make sure every ``row[:-1]`` has stored KV and load it into a new batch.
+
+        Only tokens no stored prefix covers are computed (shared uncached prefixes of rows in
+        this call once).  ``extra`` is how many tokens each slot may still grow by.  Returns the
+        batch and pinned handles on each ``row[:-1]``.
+        """
+        ...
+
+    def score(self, prefixes: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]
+              ) -> list[list[tuple[list[float], Handle]]]:
+        """Log-probs of every continuation's tokens after every prefix, with a handle on
+        ``prefix + continuation[:-1]``; ``result[p][c]``."""
+        ...
+
+    def fresh_logits(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Logits ``(T, V)`` of a fresh evaluation of ``tokens`` sharing no stored KV."""
+        ...

@@ -1,0 +1,62 @@
+"""A GGUF model run by llama.cpp (the ``llama.cpp`` engine): same states, same API."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from seqstate.errors import ModelNotAvailable
+from seqstate.models.base import BaseModel
+
+__all__ = ["LlamaCppModel", "INSTALL_HINT"]
+
+INSTALL_HINT = ("the llama.cpp engine needs llama-cpp-python, which compiles from source: "
+                "`pip install llama-cpp-python` (cmake and a C++ compiler), or `make test`, "
+                "which installs it")
+
+
+class LlamaCppModel(BaseModel):
+    """A GGUF model on llama.cpp, with the Hugging Face tokenizer of the same vocabulary.
+
+    seqstate tokenizes with ``hf_tokenizer`` (so token ids, masks and states are the same on
+    every engine) and feeds ids to llama.cpp, whose KV cache holds every stored state's
+    tokens once, shared between rows through its sequences.
+
+    Parameters
+    ----------
+    path:
+        The GGUF file.
+    hf_tokenizer:
+        A ``transformers`` fast tokenizer for the same vocabulary.
+    n_ctx:
+        KV cells shared by every stored state and working row (the KV budget).
+    n_threads:
+        CPU threads (default: every core this process may use).
+    n_seq_max:
+        llama.cpp sequences (at most 256): stored branch tips plus working rows.
+    """
+
+    def __init__(self, path: str | os.PathLike, hf_tokenizer: Any, *, n_ctx: int = 4096,
+                 n_threads: int | None = None, n_seq_max: int = 64, name: str | None = None) -> None:
+        try:
+            from seqstate.backends.llamacpp import LlamaCppBackend
+        except ImportError as exc:
+            raise ModelNotAvailable(INSTALL_HINT) from exc
+        super().__init__(hf_tokenizer, name or Path(path).name)
+        self.path = Path(path)
+        self.backend = LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads, n_seq_max=n_seq_max)
+        if self.backend.vocab_size < self.vocab.size:
+            raise ModelNotAvailable(
+                f"the tokenizer has {self.vocab.size} tokens but {self.path.name} only "
+                f"{self.backend.vocab_size}; pass the tokenizer that belongs to this GGUF file")
+
+    @property
+    def context_length(self) -> int:
+        """The longest row: the model's trained context, bounded by the KV cells (``n_ctx``)."""
+        return min(self.backend.context_length, self.backend.n_ctx)
+
+    @property
+    def store(self) -> Any:
+        """The radix store of llama.cpp sequences (``verify()`` checks it against llama.cpp)."""
+        return self.backend.store
