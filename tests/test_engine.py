@@ -5,8 +5,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import seqstate as ss
-from seqstate.backends.hf.prefill import ensure_kv
 from seqstate.engine import RowRequest, generate, next_logits
 from seqstate.sampling import greedy, multinomial
 

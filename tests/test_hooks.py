@@ -3,7 +3,6 @@
 import re
 
 import pytest
-import torch
 
 import seqstate as ss
 from seqstate.engine import next_logits

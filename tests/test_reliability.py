@@ -11,7 +11,6 @@ import torch
 
 import seqstate as ss
 from seqstate.engine import Stepper, next_logits
-from seqstate.hooks import Rollback
 
 
 def test_soak_budget_pins_and_release(fresh_tiny):

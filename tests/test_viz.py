@@ -3,14 +3,15 @@
 import shutil
 import subprocess
 
-import pytest
 from PIL import Image
 
 import seqstate as ss
 
 
 def test_tree_structure(tiny):
-    s = ss.text(tiny)(["Fork me", "Other"], num_samples=3, sampler=ss.multinomial(), seed=0, max_tokens=3)
+    # a hot sampler: the three samples of each prompt differ from their first token
+    s = ss.text(tiny)(["Fork me", "Other"], num_samples=3, sampler=ss.multinomial(temperature=50.0),
+                      seed=0, max_tokens=3)
     svg = ss.viz.tree(s).svg()
     assert svg.count("<rect") == 2 + 6            # two prompts, six suffixes
     assert svg.count("<line") == 6

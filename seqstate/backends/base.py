@@ -60,8 +60,18 @@ class Handle(Protocol):
 
 @runtime_checkable
 class Batch(Protocol):
-    """The working rows ("slots") of one engine call.  Slot ``i`` starts as row ``i`` of
-    :meth:`Backend.open`, holding the KV of ``row[:-1]``."""
+    """Working rows ("slots") that run together, one token per slot per forward.
+
+    Slots are ids, stable for their life: rows of any number of calls join (``add``) and
+    leave (``release``) while others keep running, which is how concurrent calls share
+    decode steps.  A slot holds the KV of a prefix of its row.
+    """
+
+    def add(self, rows: Sequence[Sequence[int]], extra: int) -> list[int]:
+        """New slots holding the KV of each ``row[:-1]``, computing only what no stored prefix
+        covers (shared uncached prefixes of these rows once).  ``extra`` is how many tokens
+        each may still grow by."""
+        ...
 
     def forward(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         """Feed ``tokens[j]`` to ``slots[j]`` at that slot's next position (all in one batch).
@@ -78,9 +88,12 @@ class Batch(Protocol):
         """Forget the slot's KV past its first ``length`` tokens (a hook's rollback)."""
         ...
 
-    def reorder(self, parents: Sequence[int]) -> None:
-        """New slot ``j`` continues old slot ``parents[j]``; parents may repeat (beam search)
-        or be left out (finished rows stop costing compute)."""
+    def fork(self, slot: int) -> int:
+        """A new slot continuing ``slot`` (beam search); their common KV is shared."""
+        ...
+
+    def release(self, slot: int) -> None:
+        """Drop the slot (committed KV stays in the store)."""
         ...
 
     def commit(self, slot: int, tokens: Sequence[int], length: int) -> Handle:
@@ -88,7 +101,7 @@ class Batch(Protocol):
         ...
 
     def close(self) -> None:
-        """Release the working rows (committed KV stays in the store)."""
+        """Release every slot."""
         ...
 
 
@@ -98,13 +111,8 @@ class Backend(Protocol):
 
     capabilities: Capabilities
 
-    def open(self, rows: Sequence[Sequence[int]], extra: int) -> tuple[Batch, list[Handle]]:
-        """Make sure every ``row[:-1]`` has stored KV and load it into a new batch.
-
-        Only tokens no stored prefix covers are computed (shared uncached prefixes of rows in
-        this call once).  ``extra`` is how many tokens each slot may still grow by.  Returns the
-        batch and pinned handles on each ``row[:-1]``.
-        """
+    def batch(self) -> Batch:
+        """A new, empty batch."""
         ...
 
     def score(self, prefixes: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]

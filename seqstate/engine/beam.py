@@ -1,9 +1,10 @@
-"""Beam search: every batch item keeps its ``width`` best beams, each beam a buffer row.
+"""Beam search: every batch item keeps its ``width`` best beams, each beam a batch slot.
 
 Each step expands every live beam under its constraint, keeps the best ``width`` children of
-each batch item by cumulative log-prob (earlier calls' weights included), and reorders the
-decode buffer to the surviving parents.  Finished beams write their KV back to the store, where
-beams' shared prefixes are stored once.
+each batch item by cumulative log-prob (earlier calls' weights included); a parent's first
+surviving child takes over its slot, the others fork it, and parents with no child leave.
+Finished beams write their KV back to the store, where beams' shared prefixes are stored once.
+A beam search is a scheduler job like any call: its rows share decode steps with others.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import torch
 
 from seqstate.engine.decode import FIRST_CAPACITY, commit
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
+from seqstate.engine.scheduler import Job
 from seqstate.engine.step import allowed_mask
 from seqstate.sampling.params import BeamSearch
 
-__all__ = ["beam_run"]
+__all__ = ["beam_run", "BeamJob"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -31,43 +33,50 @@ class _Beam:
 
 
 def beam_run(model, groups: Sequence[Sequence[tuple[RowRequest, float, int]]],
-             params: BeamSearch) -> Generator[list[LiveRow], None, list[list[tuple[RowResult, float, int]]]]:
+             params: BeamSearch) -> Generator[None, None, list[list[tuple[RowResult, float, int]]]]:
     """Beam-search each group (one batch item's incoming beams: request, weight, length).
 
     Returns, per group, up to ``width`` ``(result, score, origin)`` triples sorted best-first;
     ``origin`` is the index of the incoming beam (within its group) the result descends from.
     """
-    with model.lock, torch.inference_mode():
-        flat = [(g, req, w, n) for g, beams in enumerate(groups) for req, w, n in beams]
-        longest = max(req.max_new for _, req, _, _ in flat)
-        batch, _ = model.backend.open([req.tokens for _, req, _, _ in flat],
-                                      min(longest, FIRST_CAPACITY) + 1)
-        try:
-            return (yield from _search(model, batch, groups, flat, params))
-        finally:
-            batch.close()
+    return (yield from model.scheduler.execute(BeamJob(model, groups, params)))
 
 
-def _search(model, batch, groups, flat, params: BeamSearch):
-    width = params.width
-    beams = []
-    for slot, (g, req, w, n) in enumerate(flat):
-        row = LiveRow(req, model.vocab, model.eos_token_ids)
-        row.origin = slot - sum(len(groups[j]) for j in range(g))
-        beams.append(_Beam(row, w, n, g, slot))
-    finished: list[list[tuple[RowResult, float, int]]] = [[] for _ in groups]
-    open_groups = set(range(len(groups)))
-    while beams:
-        # 1. forward the last token of every live beam
-        logits = batch.forward([b.slot for b in beams], [b.row.tokens[-1] for b in beams])  # (N, V)
-        # 2. constrain and score: candidates are (weight + log-prob) of allowed tokens
+class BeamJob(Job):
+    """A beam search's beams inside the scheduler."""
+
+    def __init__(self, model, groups: Sequence[Sequence[tuple[RowRequest, float, int]]],
+                 params: BeamSearch) -> None:
+        super().__init__()
+        self.model, self.groups, self.params = model, groups, params
+        self.flat = [(g, req, w, n) for g, beams in enumerate(groups) for req, w, n in beams]
+        self.finished: list[list[tuple[RowResult, float, int]]] = [[] for _ in groups]
+        self.open_groups = set(range(len(groups)))
+
+    def start(self, batch) -> None:
+        longest = max(req.max_new for _, req, _, _ in self.flat)
+        self.slots = batch.add([req.tokens for _, req, _, _ in self.flat],
+                               min(longest, FIRST_CAPACITY) + 1)
+        self.beams = []
+        for i, ((g, req, w, n), slot) in enumerate(zip(self.flat, self.slots)):
+            row = LiveRow(req, self.model.vocab, self.model.eos_token_ids)
+            row.origin = i - sum(len(self.groups[j]) for j in range(g))
+            self.beams.append(_Beam(row, w, n, g, slot))
+
+    def wants(self) -> tuple[list[int], list[int]]:
+        return [b.slot for b in self.beams], [b.row.tokens[-1] for b in self.beams]
+
+    def step(self, batch, logits: torch.Tensor) -> bool:
+        width, params, beams, finished = self.params.width, self.params, self.beams, self.finished
+        open_groups = self.open_groups
+        # 1. constrain and score: candidates are (weight + log-prob) of allowed tokens
         logprobs = logits.log_softmax(dim=-1)                                             # (N, V)
         scores = logprobs.clone()
         for i, b in enumerate(beams):
             allowed = allowed_mask(b.row, logits.shape[-1])
             if allowed is not None:
                 scores[i].masked_fill_(~allowed, float("-inf"))
-        # 3. per batch item, keep the best `width` children; finished ones are set aside
+        # 2. per batch item, keep the best `width` children; finished ones are set aside
         survivors: list[_Beam] = []
         for g in sorted(open_groups):
             mine = [i for i, b in enumerate(beams) if b.group == g]
@@ -110,11 +119,23 @@ def _search(model, batch, groups, flat, params: BeamSearch):
                 open_groups.discard(g)
             else:
                 survivors.extend(kept)
-        yield [b.row for b in survivors]
-        # 4. reorder the batch to the surviving parents
-        if survivors:
-            batch.reorder([b.slot for b in survivors])
-            for slot, b in enumerate(survivors):
-                b.slot = slot
-        beams = survivors
-    return finished
+        self._move_slots(batch, survivors)
+        if not self.beams:
+            self.finish(finished)
+            return True
+        return False
+
+    def _move_slots(self, batch, survivors: list[_Beam]) -> None:
+        """A parent's first surviving child takes its slot; later children fork it."""
+        taken: set[int] = set()
+        for b in survivors:
+            if b.slot in taken:
+                b.slot = batch.fork(b.slot)
+            else:
+                taken.add(b.slot)
+        for b in self.beams:
+            if b.slot not in taken:
+                batch.release(b.slot)
+                taken.add(b.slot)             # a parent with several beams leaves once
+        self.beams = survivors
+        self.slots = [b.slot for b in survivors]

@@ -59,6 +59,24 @@ class KVBuffer:
         index = torch.tensor(columns, dtype=torch.long, device=self.data.device)
         return self.data[:, :, row].index_select(3, index)
 
+    def add_rows(self, n: int) -> None:
+        """``n`` more rows of zeros at the end."""
+        if n:
+            shape = list(self.data.shape)
+            shape[2] = n
+            self.data = torch.cat([self.data, self.data.new_zeros(shape)], dim=2)
+
+    def shift(self, delta: int) -> None:
+        """Move every filled column ``delta`` slots right (or left when negative)."""
+        self.ensure(self.length + max(delta, 0))
+        moved = self.data.new_zeros(self.data.shape)
+        if delta >= 0:
+            moved[..., delta: delta + self.length, :] = self.data[..., : self.length, :]
+        else:
+            moved[..., : self.length + delta, :] = self.data[..., -delta: self.length, :]
+        self.data = moved
+        self.length += delta
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop every row not in ``rows`` (finished rows stop costing compute)."""
         self.data = self.data.index_select(2, rows)

@@ -7,6 +7,8 @@ import threading
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from seqstate.engine.scheduler import Scheduler
+
 if TYPE_CHECKING:
     from seqstate.backends.base import Backend
     from seqstate.detokenize import TokenVocabulary
@@ -52,8 +54,9 @@ class BaseModel:
     def __init__(self, hf_tokenizer: Any, name: str) -> None:
         self.hf_tokenizer = hf_tokenizer
         self.name = name
-        self.lock = threading.RLock()                 # one engine call at a time per model
+        self.lock = threading.RLock()                 # one engine step at a time per model
         self.constraint_cache: dict[Any, Any] = {}   # compiled constraints, keyed by spec
+        self.scheduler = Scheduler(self)              # concurrent calls share decode steps
 
     def __repr__(self) -> str:
         return (f"<seqstate {type(self).__name__} {self.name!r} engine={self.engine} "

@@ -9,7 +9,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from seqstate.sampling.functions import (filter_top_k, filter_top_p, greedy_tokens,
-                                         inverse_cdf_sample)
+                                         race_sample)
 
 from seqstate.errors import ArgumentError
 
@@ -76,7 +76,7 @@ class Multinomial:
             logits = filter_top_k(logits, self.top_k)
         if self.top_p is not None:
             logits = filter_top_p(logits, self.top_p)
-        return inverse_cdf_sample(logits, rng)
+        return race_sample(logits, rng)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -38,9 +38,8 @@ class HFBackend:
         return dict(kv_bytes_held=s.bytes_held, kv_bytes_cached=s.bytes_cached,
                     evictions=s.evictions, segments=s.num_segments)
 
-    def open(self, rows: Sequence[Sequence[int]], extra: int) -> tuple[HFBatch, list[KVHandle]]:
-        handles = ensure_kv(self.model, rows)
-        return HFBatch(self, handles, extra), handles
+    def batch(self) -> HFBatch:
+        return HFBatch(self)
 
     def score(self, prefixes: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]
               ) -> list[list[tuple[list[float], KVHandle]]]:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from seqstate.backends.hf.prefill import ensure_kv
 from seqstate.kv.buffer import KVBuffer
 from seqstate.kv.hf_cache import as_cache
 from seqstate.kv.store import KVHandle
@@ -14,80 +15,169 @@ __all__ = ["HFBatch"]
 
 
 class HFBatch:
-    """Rows' KV side by side in one :class:`KVBuffer`, each row's stored prefix right-aligned.
+    """Rows' KV side by side in one :class:`KVBuffer`, each row's prefix right-aligned.
 
-    Every step takes one buffer column for all rows.  A row not fed this step (finished, or
-    waiting) rides along and that column is junk, masked out if the row is fed again; a
-    rollback masks the dropped columns out (holes).  Nothing is ever recomputed and no other
-    row is touched.
+    Every forward takes one buffer column for all buffer rows.  A row not fed (finished,
+    waiting, or released) rides along; that column is junk and is masked out if the row is
+    fed again.  A rollback masks the dropped columns out (holes).  Nothing is ever recomputed
+    and no other row is touched.  Rows joining later are right-aligned to the current column
+    (the buffer shifts right when a newcomer's prefix is longer); released rows and columns
+    no live row uses are compacted away once they are a quarter of the buffer.
     """
 
-    def __init__(self, backend, handles: Sequence[KVHandle], extra: int) -> None:
-        model = backend.model
-        self.backend, self.model = backend, model
-        past = max(h.length for h in handles)
-        self.buf = KVBuffer(model.num_layers, model.kv_heads, model.head_dim, len(handles),
-                            past + extra, model.dtype, model.device)
-        self.mask = torch.zeros(len(handles), self.buf.capacity, dtype=torch.long)     # (B, C)
-        for i, h in enumerate(handles):
-            self.buf.load(i, h, past)
-            self.mask[i, past - h.length: past] = 1
-        self.buf.length = past
-        self.bases = list(handles)                    # stored KV of each row's prefix (pinned)
-        self.cols: list[list[int]] = [[] for _ in handles]   # buffer columns past the base
-        self.junk: list[list[int]] = [[] for _ in handles]   # columns of steps a row sat out
-        self.padded = len({h.length for h in handles}) > 1   # else no mask is needed
-        self.cache = as_cache(self.buf)
+    def __init__(self, backend) -> None:
+        self.backend, self.model = backend, backend.model
+        self.buf: KVBuffer | None = None
+        self.mask = torch.zeros(0, 0, dtype=torch.long)       # (rows, capacity)
+        self.row_of: dict[int, int] = {}     # slot id -> buffer row
+        self.bases: list[KVHandle] = []      # per buffer row: stored KV of its prefix (pinned)
+        self.cols: list[list[int]] = []      # per buffer row: columns of its KV past the base
+        self.junk: list[list[int]] = []      # per buffer row: columns of steps it sat out
+        self.first: list[int] = []           # per buffer row: its first KV column
+        self.padded = False                  # False while no row needs a mask
+        self._next_slot = 0
 
+    # -- joining and leaving ------------------------------------------------------------------
+    def add(self, rows: Sequence[Sequence[int]], extra: int) -> list[int]:
+        handles = ensure_kv(self.model, rows)
+        need = max(h.length for h in handles)
+        model = self.model
+        if self.buf is None:
+            self.buf = KVBuffer(model.num_layers, model.kv_heads, model.head_dim, len(handles),
+                                need + extra, model.dtype, model.device)
+            self.buf.length = need
+            self.mask = torch.zeros(len(handles), self.buf.capacity, dtype=torch.long)
+            self.padded = len({h.length for h in handles}) > 1
+        else:
+            if need > self.buf.length:
+                self._shift(need - self.buf.length)
+            self._grow(len(handles), self.buf.length + extra)
+            self.padded = True
+        end = self.buf.length
+        slots = []
+        for h in handles:
+            row = len(self.bases)
+            self.buf.load(row, h, end)
+            self.mask[row, end - h.length: end] = 1
+            self.bases.append(h)
+            self.cols.append([])
+            self.junk.append([])
+            self.first.append(end - h.length)
+            slots.append(self._new_slot(row))
+        return slots
+
+    def _new_slot(self, row: int) -> int:
+        slot, self._next_slot = self._next_slot, self._next_slot + 1
+        self.row_of[slot] = row
+        return slot
+
+    def fork(self, slot: int) -> int:
+        row = self.row_of[slot]
+        self._grow(1, self.buf.capacity)
+        new = len(self.bases)
+        self.buf.data[:, :, new] = self.buf.data[:, :, row]
+        self.mask[new] = self.mask[row]
+        self.bases.append(self.bases[row])
+        self.cols.append(list(self.cols[row]))
+        self.junk.append(list(self.junk[row]))
+        self.first.append(self.first[row])
+        return self._new_slot(new)
+
+    def release(self, slot: int) -> None:
+        del self.row_of[slot]
+        if not self.row_of:
+            self.close()
+        elif (len(self.bases) - len(self.row_of)) * 4 >= len(self.bases):
+            self._compact()
+
+    def close(self) -> None:
+        self.buf = None                       # the buffer is freed; stored KV stays
+        self.mask = torch.zeros(0, 0, dtype=torch.long)
+        self.row_of.clear()
+        self.bases, self.cols, self.junk, self.first = [], [], [], []
+
+    # -- the buffer's shape -------------------------------------------------------------------
+    def _grow(self, rows: int, capacity: int) -> None:
+        """Room for ``rows`` more buffer rows and ``capacity`` columns."""
+        self.buf.ensure(capacity)
+        self.buf.add_rows(rows)
+        shape = (self.buf.rows, self.buf.capacity)
+        grown = self.mask.new_zeros(shape)
+        grown[: self.mask.shape[0], : self.mask.shape[1]] = self.mask
+        self.mask = grown
+
+    def _shift(self, delta: int) -> None:
+        """Move every column right by ``delta`` (a newcomer's prefix is longer than the past)."""
+        self.buf.shift(delta)
+        grown = self.mask.new_zeros(self.buf.rows, self.buf.capacity)
+        grown[:, delta: delta + self.mask.shape[1]] = self.mask[:, : self.buf.capacity - delta]
+        self.mask = grown
+        self.cols = [[c + delta for c in cs] for cs in self.cols]
+        self.junk = [[c + delta for c in cs] for cs in self.junk]
+        self.first = [f + delta for f in self.first]
+
+    def _compact(self) -> None:
+        """Drop released rows, and leading columns no live row uses (a copy, amortised)."""
+        keep = sorted(self.row_of.values())
+        index = torch.tensor(keep, dtype=torch.long)
+        self.buf.keep_rows(index)
+        self.mask = self.mask.index_select(0, index)
+        renumber = {old: new for new, old in enumerate(keep)}
+        self.row_of = {s: renumber[r] for s, r in self.row_of.items()}
+        self.bases = [self.bases[r] for r in keep]
+        self.cols = [self.cols[r] for r in keep]
+        self.junk = [self.junk[r] for r in keep]
+        self.first = [self.first[r] for r in keep]
+        lo = min(self.first)
+        if lo * 4 >= self.buf.capacity:
+            self.buf.shift(-lo)
+            self.mask = torch.cat([self.mask[:, lo:], self.mask.new_zeros(len(keep), lo)], 1)
+            self.cols = [[c - lo for c in cs] for cs in self.cols]
+            self.junk = [[c - lo for c in cs] for cs in self.junk]
+            self.first = [f - lo for f in self.first]
+
+    # -- the protocol -------------------------------------------------------------------------
     def length(self, slot: int) -> int:
-        return self.bases[slot].length + len(self.cols[slot])
+        row = self.row_of[slot]
+        return self.bases[row].length + len(self.cols[row])
 
     def forward(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         buf, model = self.buf, self.model
-        buf.ensure(buf.length + 1)
-        if self.mask.shape[1] < buf.capacity:
-            grow = self.mask.new_zeros(buf.rows, buf.capacity - self.mask.shape[1])
-            self.mask = torch.cat([self.mask, grow], 1)
+        if buf.length + 1 > buf.capacity:
+            self._grow(0, buf.length + 1)
         col = buf.length
-        fed = dict(zip(slots, tokens))
-        for s in fed:
-            if self.junk[s]:                      # a row fed again forgets the steps it sat out
-                self.mask[s, self.junk[s]] = 0
-                self.junk[s].clear()
+        fed = {self.row_of[s]: t for s, t in zip(slots, tokens)}
+        for r in fed:
+            if self.junk[r]:                      # a row fed again forgets the steps it sat out
+                self.mask[r, self.junk[r]] = 0
+                self.junk[r].clear()
                 self.padded = True
-        # rows not fed ride along (their output is dropped); a finished row never needs a mask
-        ids = torch.tensor([[fed.get(s, model.pad_token_id)] for s in range(buf.rows)])   # (B, 1)
-        pos = torch.tensor([[self.length(s)] for s in range(buf.rows)])                    # (B, 1)
+        # rows not fed ride along (their output is dropped); a finished row needs no mask
+        ids = torch.tensor([[fed.get(r, model.pad_token_id)] for r in range(buf.rows)])   # (B, 1)
+        pos = torch.tensor([[self.bases[r].length + len(self.cols[r])]
+                            for r in range(buf.rows)])                                   # (B, 1)
         self.mask[:, col] = 1
         step_mask = self.mask[:, : col + 1].to(model.device) if self.padded else None
-        logits = model.forward(ids.to(model.device), step_mask, pos.to(model.device), self.cache)
+        logits = model.forward(ids.to(model.device), step_mask, pos.to(model.device),
+                               as_cache(buf))                                            # (B, V)
         buf.length += 1
-        for s in range(buf.rows):
-            (self.cols if s in fed else self.junk)[s].append(col)
+        for r in range(buf.rows):
+            (self.cols if r in fed else self.junk)[r].append(col)
         self.backend.count(decode_tokens=len(slots))
-        return logits[list(slots)]                                                        # (N, V)
+        return logits[[self.row_of[s] for s in slots]]                                  # (N, V)
 
     def truncate(self, slot: int, length: int) -> None:
-        keep = length - self.bases[slot].length
-        self.mask[slot, self.cols[slot][keep:]] = 0
-        del self.cols[slot][keep:]
+        row = self.row_of[slot]
+        keep = length - self.bases[row].length
+        self.mask[row, self.cols[row][keep:]] = 0
+        del self.cols[row][keep:]
         self.padded = True
 
-    def reorder(self, parents: Sequence[int]) -> None:
-        index = torch.tensor(list(parents), dtype=torch.long)
-        self.buf.keep_rows(index)
-        self.mask = self.mask.index_select(0, index)
-        self.bases = [self.bases[p] for p in parents]
-        self.cols = [list(self.cols[p]) for p in parents]
-        self.junk = [list(self.junk[p]) for p in parents]
-
     def commit(self, slot: int, tokens: Sequence[int], length: int) -> KVHandle:
-        base = self.bases[slot]
+        row = self.row_of[slot]
+        base = self.bases[row]
         n = length - base.length
         if n <= 0:
             return base.prefix(length)
-        kv = self.buf.gather(slot, self.cols[slot][:n])
+        kv = self.buf.gather(row, self.cols[row][:n])
         return self.model.store.extend(tokens, base.length, kv)
-
-    def close(self) -> None:
-        self.buf = self.cache = None          # the buffer is freed; stored KV stays

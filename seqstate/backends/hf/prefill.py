@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from seqstate.backends.prefixes import SHARED_PREFIX_MIN, shared_prefixes
 from seqstate.kv.buffer import KVBuffer
 from seqstate.kv.hf_cache import as_cache
 from seqstate.kv.store import KVHandle
@@ -22,29 +23,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ensure_kv", "run_tails", "SHARED_PREFIX_MIN", "PREFILL_CHUNK", "PREFILL_BATCH_TOKENS"]
 
-SHARED_PREFIX_MIN = 16        # a shared uncached prefix this long is prefilled once for all
 PREFILL_CHUNK = 1024          # longest tail run in one forward (longer tails run in chunks)
 PREFILL_BATCH_TOKENS = 8192   # rows x (past + tail) columns per forward
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def _shared_prefixes(targets: list[tuple[int, ...]], cached: list[int]) -> list[tuple[int, ...]]:
-    """Prefixes shared by two or more targets that extend well past what is cached."""
-    order = sorted(range(len(targets)), key=lambda i: targets[i])
-    shared = set()
-    for a, b in zip(order, order[1:]):
-        lcp = _common_prefix(targets[a], targets[b])
-        if lcp - max(cached[a], cached[b]) >= SHARED_PREFIX_MIN and lcp < max(len(targets[a]), len(targets[b])):
-            shared.add(targets[a][:lcp])
-    # keep only the shortest of nested shared prefixes; longer ones are found next round
-    return [p for p in shared if not any(q != p and p[:len(q)] == q for q in shared)]
 
 
 def run_tails(model: Model, rows: Sequence[tuple[Sequence[int], KVHandle]], *,
@@ -86,7 +66,7 @@ def _prefill(model: Model, targets: list[tuple[int, ...]], pins: list[KVHandle])
         todo = [(t, h) for t, h in zip(targets, handles) if h.length < len(t)]
         if not todo:
             return
-        shared = _shared_prefixes([t for t, _ in todo], [h.length for _, h in todo])
+        shared = shared_prefixes([t for t, _ in todo], [h.length for _, h in todo])
         if shared:
             _prefill(model, shared, pins)
             continue

@@ -1,0 +1,330 @@
+"""The llama.cpp engine: KV lives in llama.cpp, shared token by token through its sequences.
+
+:class:`LlamaCppBackend` implements :class:`seqstate.backends.base.Backend` over
+llama-cpp-python's low-level ctypes API.  The context uses a *unified* KV cache, where a cell
+carries a set of sequence ids and ``llama_memory_seq_cp`` only tags cells: forking a row is
+metadata, and a prefix shared by any number of rows and stored states occupies its cells once.
+Stored paths live in :class:`~seqstate.backends.llamacpp.store.SeqStore`, a radix tree whose
+branch tips are carried by llama.cpp sequences; working rows (:class:`LlamaCppBatch` slots) are
+further sequences forked from them.  Every fed row of a step runs in one ``llama_decode``.
+
+Exactness (SmolLM2-135M-Instruct Q4_1, x86 CPU, llama-cpp-python 0.3.36)
+    llama.cpp's CPU flash attention has three kernels: per query row, tiled (64+ query rows)
+    and split-KV (one query over 512+ cells).  They round differently, and the model's 8-bit
+    activation quantization turns any rounding difference into logit differences of ~0.5-1.5,
+    so with llama.cpp's defaults a row's logits depend on what else is in its batch (measured:
+    up to 1.44 max abs logit difference between the same tokens decoded one by one and all at
+    once).  Keys in f16 and values in q8_0 make the per-row kernel the only one that applies,
+    and the matmuls are batch-invariant, so a row's logits do not depend on its batch:
+
+    - forked, sliced, extended, truncated-and-refed and batched rows are bit-identical to
+      :meth:`LlamaCppBackend.fresh_logits` (max abs difference 0.0), as are :meth:`score`'s
+      log-probs, as long as every token's KV was computed with its row's cells in position
+      order, which holds until freed cells (released rows, rollbacks, evictions) are reused;
+    - a row whose later tokens land in lower cells than earlier ones is summed in another order:
+      up to ``NOISE_FLOOR`` max abs logit difference (measured: max 1.28, p99 0.95, median 0.0
+      over ~4,700 randomized fork/slice/rollback/evict comparisons in a 512-cell cache);
+    - greedy decoding matches ``llama_cpp.Llama(flash_attn=True, type_v=GGML_TYPE_Q8_0)``'s
+      own ``generate`` token for token (40 tokens on every prompt tried, short and 80+ tokens).
+
+    Against the fp32 Hugging Face model the Q4_1 weights differ by ~1-2 max abs logit (mean
+    KL ~0.002) whatever the KV types, so ``capabilities.exact`` is False.
+"""
+
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+import llama_cpp as ll
+import torch
+
+from seqstate.backends.base import Capabilities
+from seqstate.backends.llamacpp.store import SeqHandle, SeqStore
+from seqstate.backends.prefixes import common_prefix, shared_prefixes
+from seqstate.errors import ContextOverflowError
+from seqstate.backends.llamacpp.batch import LlamaCppBatch
+from seqstate.backends.llamacpp.native import Llama, usable_cores
+
+__all__ = ["NOISE_FLOOR", "LlamaCppBackend"]
+
+NOISE_FLOOR = 2.0             # bound on max abs logit diff from cells out of position order
+_SCRATCH_SEQ = 0              # fresh_logits' own sequence, never lent to the store
+
+
+def _trie_size(paths: Sequence[tuple[int, ...]]) -> tuple[int, int]:
+    """(distinct token prefixes, paths that are no prefix of another): cells and carriers the
+    paths need when stored together."""
+    ordered = sorted(set(paths))
+    cells = leaves = 0
+    for i, p in enumerate(ordered):
+        cells += len(p) - (common_prefix(p, ordered[i - 1]) if i else 0)
+        nxt = ordered[i + 1] if i + 1 < len(ordered) else None
+        leaves += bool(p) and not (nxt is not None and nxt[:len(p)] == p)
+    return cells, leaves
+
+
+def _tails(rows: Sequence[Sequence[int]], starts: Sequence[int], seqs: Sequence[int]
+           ) -> tuple[list[int], list[int], list[int]]:
+    """Tokens, positions and sequences of every ``row[start:]``, rows one after another."""
+    tokens: list[int] = []
+    positions: list[int] = []
+    owners: list[int] = []
+    for row, start, seq in zip(rows, starts, seqs):
+        tokens.extend(row[start:])
+        positions.extend(range(start, len(row)))
+        owners.extend([seq] * (len(row) - start))
+    return tokens, positions, owners
+
+
+class LlamaCppBackend:
+    """The llama.cpp engine behind the generators (see ``seqstate.backends.base.Backend``).
+
+    Parameters
+    ----------
+    path:
+        A GGUF model file.
+    n_ctx:
+        KV cells of the unified cache, shared by every stored state and working row.
+    n_threads:
+        CPU threads (default: the cores this process may use).
+    n_seq_max:
+        llama.cpp sequences (at most 256): one is kept for :meth:`fresh_logits`, the others
+        carry stored paths (one per branch tip) and working rows (one per row).
+    n_batch:
+        Most tokens one ``llama_decode`` takes; longer prefills run in several.
+
+    Examples
+    --------
+    >>> backend = LlamaCppBackend(gguf_path, n_ctx=2048)        # doctest: +SKIP
+    >>> batch = backend.batch()
+    >>> [slot] = batch.add([prompt_ids], extra=8)               # prefills prompt_ids[:-1]
+    >>> logits = batch.forward([slot], [prompt_ids[-1]])        # (1, V) next-token logits
+    >>> handle = batch.commit(slot, prompt_ids, len(prompt_ids))
+    >>> batch.close()
+    """
+
+    def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, n_threads: int | None = None,
+                 n_seq_max: int = 64, n_batch: int = 512) -> None:
+        if not 3 <= n_seq_max <= 256:
+            raise ValueError(f"n_seq_max must be in 3..256 (llama.cpp's limit), got {n_seq_max}")
+        threads = n_threads or usable_cores()
+        self._llama = Llama(str(Path(path)), n_ctx, threads, n_seq_max, n_batch)
+        self.n_ctx = ll.llama_n_ctx(self._llama.ctx)
+        self.n_seq_max = n_seq_max
+        self.vocab_size = self._llama.vocab_size
+        self.context_length = ll.llama_model_n_ctx_train(self._llama.model)
+        self.bytes_per_cell = self._llama.bytes_per_cell()
+        hint = (f"create the backend with a larger n_ctx (now {self.n_ctx}) or n_seq_max "
+                f"(now {n_seq_max}, at most 256)")
+        self.store = SeqStore(self._llama, range(_SCRATCH_SEQ + 1, n_seq_max), hint)
+        self.capabilities = Capabilities(name="llama.cpp", full_logits=True, prefix_sharing=True,
+                                         batching=True, exact=False, max_rows=n_seq_max - 2)
+        self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens_reused": 0,
+                         "forward_calls": 0}
+        self.lock = threading.RLock()
+        self._batches: weakref.WeakSet[LlamaCppBatch] = weakref.WeakSet()
+
+    def count(self, **deltas: int) -> None:
+        """Add to the work counters (the model's ``stats``)."""
+        for key, value in deltas.items():
+            self.counters[key] += value
+
+    # -- decoding -----------------------------------------------------------------------------
+    def _run(self, tokens: list[int], positions: list[int], seqs: list[int],
+             outputs: list[bool]) -> torch.Tensor | None:
+        """``llama_decode`` in chunks of ``n_batch``, evicting unpinned stored paths when the
+        cache has no free cells; logits (outputs, V) of the tokens flagged in ``outputs``."""
+        step = self._llama.n_batch
+        parts = []
+        for lo in range(0, len(tokens), step):
+            hi = lo + step
+            self._decode(tokens[lo:hi], positions[lo:hi], seqs[lo:hi], outputs[lo:hi])
+            n_out = sum(outputs[lo:hi])
+            if n_out:
+                parts.append(self._llama.logits(n_out))
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _decode(self, tokens: list[int], positions: list[int], seqs: list[int],
+                outputs: list[bool]) -> None:
+        while True:
+            status = self._llama.decode(tokens, positions, seqs, outputs)
+            if status == 0:
+                self.count(forward_calls=1)
+                return
+            if status != 1:
+                raise RuntimeError(f"llama_decode failed with status {status}")
+            # no free cells: llama.cpp left the cache as it was, so drop a stored path and retry
+            if not self.store.evict_one():
+                raise ContextOverflowError(
+                    f"the llama.cpp KV cache (n_ctx={self.n_ctx} cells) is full: "
+                    f"{self.store.held_cells} cells are pinned by live states and the rest by "
+                    f"working rows, so {len(tokens)} more tokens do not fit; drop states you no "
+                    f"longer need, run fewer rows at once, or create the backend with a larger "
+                    f"n_ctx")
+
+    # -- prefill ------------------------------------------------------------------------------
+    def _run_tails(self, todo: list[tuple[tuple[int, ...], SeqHandle]]) -> list[SeqHandle]:
+        """Compute every row's uncached tail (rows packed into shared decodes); store them."""
+        seqs = self._fork([h for _, h in todo])
+        try:
+            tokens, positions, owners = _tails([t for t, _ in todo], [h.length for _, h in todo],
+                                               seqs)
+            self._run(tokens, positions, owners, [False] * len(tokens))
+        except BaseException:
+            self._release(seqs)
+            raise
+        self.count(prefill_tokens=len(tokens))
+        return [self.store.insert(t, len(t), seq) for (t, _), seq in zip(todo, seqs)]
+
+    def _fork(self, handles: Sequence[SeqHandle]) -> list[int]:
+        """A new sequence per handle, holding its KV (shared cells)."""
+        seqs: list[int] = []
+        try:
+            for h in handles:
+                seqs.append(self.store.acquire())
+                self.store.load(h, seqs[-1])
+        except BaseException:
+            self._release(seqs)
+            raise
+        return seqs
+
+    def _release(self, seqs: Sequence[int]) -> None:
+        for seq in seqs:
+            self.store.release(seq)
+
+    def _prefill(self, targets: list[tuple[int, ...]], pins: list[SeqHandle]) -> None:
+        while True:
+            handles = [self.store.match(t) for t in targets]
+            todo = [(t, h) for t, h in zip(targets, handles) if h.length < len(t)]
+            if not todo:
+                return
+            shared = shared_prefixes([t for t, _ in todo], [h.length for _, h in todo])
+            if shared:
+                self._prefill(shared, pins)
+                continue
+            pins.extend(self._run_tails(todo))
+
+    def _ensure_kv(self, rows: Sequence[Sequence[int]], extra: int) -> list[SeqHandle]:
+        """Store every ``row[:-1]``; pinned handles on them (see ``base.Batch.add``)."""
+        if not rows:
+            return []
+        if any(len(r) == 0 for r in rows):
+            raise ValueError("every row needs at least one token")
+        targets = [tuple(r[:-1]) for r in rows]
+        self._check_fits(targets, extra)
+        unique = list(dict.fromkeys(targets))
+        self.count(cached_tokens_reused=sum(self.store.match(t).length for t in unique))
+        pins: list[SeqHandle] = []
+        self._prefill(unique, pins)
+        return [self.store.match(t) for t in targets]
+
+    def _check_fits(self, targets: list[tuple[int, ...]], extra: int) -> None:
+        """Refuse, before any compute, a call that cannot fit even in an empty cache."""
+        longest = max(len(t) for t in targets) + extra
+        cells, carriers = _trie_size(targets)
+        cells += len(targets) * extra
+        seqs = len(targets) + carriers
+        usable = self.store.capacity
+        if longest > self.n_ctx or cells > self.n_ctx:
+            raise ContextOverflowError(
+                f"this call needs up to {max(longest, cells)} KV cells (rows of up to {longest} "
+                f"tokens, {len(targets)} rows growing by {extra}) but the llama.cpp context has "
+                f"n_ctx={self.n_ctx}; create the backend with a larger n_ctx or run fewer rows")
+        if seqs > usable:
+            raise ContextOverflowError(
+                f"this call needs {seqs} llama.cpp sequences ({len(targets)} rows + {carriers} "
+                f"distinct prefixes) but n_seq_max={self.n_seq_max} leaves {usable}; run at most "
+                f"{self.capabilities.max_rows} rows sharing a prefix, fewer distinct prompts at "
+                f"once, or create the backend with a larger n_seq_max (at most 256)")
+
+    # -- the Backend protocol -----------------------------------------------------------------
+    def batch(self) -> LlamaCppBatch:
+        """A new, empty batch."""
+        batch = LlamaCppBatch(self)
+        self._batches.add(batch)
+        return batch
+
+    def score(self, prefixes: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]
+              ) -> list[list[tuple[list[float], SeqHandle]]]:
+        """Log-probs of every continuation after every prefix, in packed decodes over the
+        continuations only; ``result[p][c] = (log-probs, handle on prefix + c[:-1])``."""
+        if any(len(c) == 0 for c in continuations):
+            raise ValueError("every continuation needs at least one token")
+        with self.lock:
+            longest = max((len(c) for c in continuations), default=0)
+            bases = self._ensure_kv(prefixes, longest)
+            rows = [(tuple(p) + tuple(c[:-1]), h, c) for p, h in zip(prefixes, bases)
+                    for c in continuations]
+            scored: list[tuple[list[float], SeqHandle]] = []
+            while len(scored) < len(rows):
+                # as many rows as there are free sequences: each becomes a stored path in turn
+                group = rows[len(scored): len(scored) + max(1, self.store.free_seqs)]
+                scored.extend(self._score_rows(group))
+            n = len(continuations)
+            return [scored[i * n: (i + 1) * n] for i in range(len(prefixes))]
+
+    def _score_rows(self, rows: list[tuple[tuple[int, ...], SeqHandle, Sequence[int]]]
+                    ) -> list[tuple[list[float], SeqHandle]]:
+        seqs = self._fork([h for _, h, _ in rows])
+        try:
+            # each tail is prefix[-1] + c[:-1]: its logits score c
+            tokens, positions, owners = _tails([r for r, _, _ in rows], [h.length for _, h, _ in rows],
+                                               seqs)
+            logprobs = self._run(tokens, positions, owners, [True] * len(tokens)).log_softmax(-1)
+        except BaseException:
+            self._release(seqs)
+            raise
+        self.count(prefill_tokens=len(tokens))
+        out, at = [], 0
+        for (row, _, c), seq in zip(rows, seqs):
+            lps = logprobs[at + torch.arange(len(c)), torch.tensor(list(c))].tolist()
+            at += len(c)
+            out.append((lps, self.store.insert(row, len(row), seq)))
+        return out
+
+    def fresh_logits(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Logits ``(T, V)`` of ``tokens`` evaluated from scratch on a private sequence."""
+        if not 0 < len(tokens) <= self.n_ctx:
+            raise ContextOverflowError(f"fresh_logits takes 1..n_ctx={self.n_ctx} tokens, got "
+                                       f"{len(tokens)}")
+        with self.lock:
+            llama = self._llama
+            llama.seq_rm(_SCRATCH_SEQ, -1, -1)
+            try:
+                return self._run(list(tokens), list(range(len(tokens))),
+                                 [_SCRATCH_SEQ] * len(tokens), [True] * len(tokens))
+            finally:
+                llama.seq_rm(_SCRATCH_SEQ, -1, -1)
+
+    # -- stats and checks ---------------------------------------------------------------------
+    def kv_stats(self) -> dict[str, int]:
+        """Stored KV in bytes (cells x bytes per cell), like the HF engine's store counters."""
+        with self.store.lock:
+            return {"kv_bytes_held": self.store.held_cells * self.bytes_per_cell,
+                    "kv_bytes_cached": self.store.cells * self.bytes_per_cell,
+                    "evictions": self.store.evictions, "segments": self.store.num_nodes}
+
+    def verify(self) -> None:
+        """Check the store and every open batch against llama.cpp's own sequence positions."""
+        with self.lock:
+            self.store.verify()
+            owned: set[int] = set()
+            for batch in list(self._batches):
+                batch.verify()
+                owned |= batch.owned()
+            if owned != set(self.store.lent()):
+                raise RuntimeError(f"sequences lent out {sorted(self.store.lent())} differ from "
+                                   f"those open batches own {sorted(owned)}")
+            if self._llama.seq_pos_max(_SCRATCH_SEQ) != -1:
+                raise RuntimeError("the fresh_logits sequence still holds cells")
+
+    def __repr__(self) -> str:
+        return (f"LlamaCppBackend(n_ctx={self.n_ctx}, n_seq_max={self.n_seq_max}, "
+                f"stored_cells={self.store.cells})")

@@ -1,0 +1,174 @@
+"""The llama.cpp engine's working rows: slots over llama.cpp sequences."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from seqstate.backends.llamacpp.store import SeqHandle, SeqStore
+from seqstate.errors import ContextOverflowError
+
+if TYPE_CHECKING:
+    from seqstate.backends.llamacpp.backend import LlamaCppBackend
+
+__all__ = ["LlamaCppBatch"]
+
+
+def _orphan(store: SeqStore, slots: dict[int, _Slot]) -> None:
+    """Finalizer of an unclosed batch: its sequences go back at the store's next operation."""
+    store.release_later([s.seq for s in slots.values() if s.seq is not None])
+
+
+class _Slot:
+    """A working row: its own sequence, or (``seq`` None) a borrowed stored handle."""
+
+    __slots__ = ("base", "length", "seq")
+
+    def __init__(self, seq: int | None, base: SeqHandle | None, length: int) -> None:
+        self.seq, self.base, self.length = seq, base, length
+
+
+class LlamaCppBatch:
+    """Working rows ("slots") over llama.cpp sequences (see ``base.Batch``).
+
+    A slot either owns a sequence or *borrows* a stored handle: rows join borrowing the
+    stored KV of their prefix and get a sequence of their own (a fork: cells are shared, not
+    copied) on their first forward or truncation.  :meth:`commit` of a slot's whole KV hands
+    its sequence to the store and leaves the slot borrowing the stored path, so a finished row
+    costs no sequence id, and a later fork of it costs none either until it is fed.
+    """
+
+    def __init__(self, backend: LlamaCppBackend) -> None:
+        self._backend = backend
+        self._store = backend.store
+        self._llama = backend._llama
+        self._slots: dict[int, _Slot] = {}
+        self._next_id = 0
+        weakref.finalize(self, _orphan, self._store, self._slots)
+
+    def _slot(self, slot: int) -> _Slot:
+        try:
+            return self._slots[slot]
+        except KeyError:
+            raise KeyError(f"slot {slot} is not in this batch (released, or never added)") from None
+
+    def _new(self, seq: int | None, base: SeqHandle | None, length: int) -> int:
+        slot, self._next_id = self._next_id, self._next_id + 1
+        self._slots[slot] = _Slot(seq, base, length)
+        return slot
+
+    def _own(self, s: _Slot) -> int:
+        """The slot's own sequence, forking it from the borrowed handle first if needed."""
+        if s.seq is None:
+            seq = self._store.acquire()
+            self._store.load(s.base, seq)
+            s.seq, s.base = seq, None
+        return s.seq
+
+    def add(self, rows: Sequence[Sequence[int]], extra: int) -> list[int]:
+        """New slots holding each ``row[:-1]``'s KV, computing only uncached tails."""
+        with self._backend.lock:
+            handles = self._backend._ensure_kv(rows, extra)
+            return [self._new(None, h, h.length) for h in handles]
+
+    def forward(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """Feed ``tokens[j]`` to ``slots[j]`` in one ``llama_decode``; logits (len(slots), V)."""
+        with self._backend.lock:
+            if len(slots) != len(tokens) or len(set(slots)) != len(slots):
+                raise ValueError(f"expected distinct slots and one token per slot, got slots "
+                                 f"{list(slots)} and {len(tokens)} tokens")
+            rows = [self._slot(s) for s in slots]
+            n_ctx = self._backend.n_ctx
+            for slot, s in zip(slots, rows):
+                if s.length >= n_ctx:
+                    raise ContextOverflowError(
+                        f"slot {slot} already holds {s.length} tokens, the llama.cpp context's "
+                        f"n_ctx={n_ctx}; create the backend with a larger n_ctx")
+            seqs = [self._own(s) for s in rows]
+            logits = self._backend._run(list(tokens), [s.length for s in rows], seqs,
+                                        [True] * len(rows))
+            for s in rows:
+                s.length += 1
+            self._backend.count(decode_tokens=len(rows))
+            return logits
+
+    def length(self, slot: int) -> int:
+        return self._slot(slot).length
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Forget the slot's KV past ``length`` tokens (``seq_rm``; shared cells stay)."""
+        with self._backend.lock:
+            s = self._slot(slot)
+            if not 0 <= length <= s.length:
+                raise ValueError(f"cannot truncate slot {slot} of {s.length} tokens to {length}")
+            if s.seq is None:
+                s.base = s.base.prefix(length)
+            else:
+                self._llama.seq_rm(s.seq, length, -1)
+            s.length = length
+
+    def fork(self, slot: int) -> int:
+        """A new slot continuing ``slot``: the same cells, tagged with one more sequence."""
+        with self._backend.lock:
+            s = self._slot(slot)
+            if s.seq is None:
+                return self._new(None, s.base, s.length)
+            seq = self._store.acquire()
+            self._llama.seq_cp(s.seq, seq, -1, -1)
+            return self._new(seq, None, s.length)
+
+    def release(self, slot: int) -> None:
+        """Drop the slot; its own sequence goes back (cells other sequences tag stay)."""
+        with self._backend.lock:
+            s = self._slots.pop(slot, None)
+            if s is not None and s.seq is not None:
+                self._store.release(s.seq)
+
+    def commit(self, slot: int, tokens: Sequence[int], length: int) -> SeqHandle:
+        """Store the slot's KV of ``tokens[:length]``; returns a pinned handle on it."""
+        with self._backend.lock:
+            s = self._slot(slot)
+            if not 0 <= length <= s.length:
+                raise ValueError(f"slot {slot} holds {s.length} tokens, cannot commit {length}")
+            found = self._store.match(tokens, length)
+            if found.length == length:
+                if s.seq is not None and length == s.length:
+                    # stored already (another row computed it): share those cells instead
+                    self._store.release(s.seq)
+                    s.seq, s.base = None, found
+                return found
+            if s.seq is None:
+                raise RuntimeError(f"slot {slot} holds the stored KV of other tokens than "
+                                   f"those committed")
+            if length == s.length:
+                # the slot's sequence becomes the carrier; the slot borrows the stored path
+                handle = self._store.insert(tokens, length, s.seq)
+                s.seq, s.base = None, handle
+                return handle
+            copy = self._store.acquire()
+            self._llama.seq_cp(s.seq, copy, 0, length)
+            return self._store.insert(tokens, length, copy)
+
+    def close(self) -> None:
+        """Release every slot; committed KV stays in the store."""
+        with self._backend.lock:
+            for slot in list(self._slots):
+                self.release(slot)
+
+    def owned(self) -> set[int]:
+        """The sequences this batch's slots own."""
+        return {s.seq for s in self._slots.values() if s.seq is not None}
+
+    def verify(self) -> None:
+        """Check every owned sequence against llama.cpp's positions; RuntimeError on drift."""
+        for slot, s in self._slots.items():
+            if s.seq is None:
+                continue
+            got = (self._llama.seq_pos_min(s.seq), self._llama.seq_pos_max(s.seq))
+            if got != ((0, s.length - 1) if s.length else (-1, -1)):
+                raise RuntimeError(f"slot {slot} (seq {s.seq}) should hold {s.length} tokens, "
+                                   f"llama.cpp has positions {list(got)}")
+

@@ -1,0 +1,115 @@
+"""Running a program over many inputs at once: its generator calls share decode steps."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from seqstate.errors import ArgumentError, SeqStateError
+
+__all__ = ["run_batch", "BatchError"]
+
+T = TypeVar("T")
+
+
+class BatchError(SeqStateError, RuntimeError):
+    """Some inputs of :func:`run_batch` failed (``return_exceptions=False``).
+
+    ``results`` holds every input's result in order, the exception in place of a failed one;
+    ``errors`` maps the failed inputs' indices to their exceptions.
+    """
+
+    def __init__(self, results: list[Any], errors: dict[int, BaseException]) -> None:
+        first = min(errors)
+        super().__init__(f"{len(errors)} of {len(results)} inputs failed; the first, input "
+                         f"{first}: {errors[first]!r}.  `.results` holds every result in order, "
+                         "`.errors` the exceptions by index")
+        self.results, self.errors = results, errors
+
+
+def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency: int = 16,
+              progress: bool | None = None, return_exceptions: bool = True) -> list[T | BaseException]:
+    """Run ``program(input)`` for every input, ``concurrency`` at a time; results in input order.
+
+    ``program`` is plain Python that calls generators (any number, any kind, on states it
+    builds).  The calls of concurrent programs join one running batch per model at the next
+    decode step and leave it when they finish, so a batch of programs runs several times
+    faster than a loop.  A call's result does not depend on what else runs (greedy output is
+    the same as alone; a seeded call samples with its own RNG).
+
+    Parameters
+    ----------
+    program:
+        A function of one input.
+    inputs:
+        The inputs; the result list has one entry per input, in order.
+    concurrency:
+        Programs in flight at once (threads); 16 keeps a CPU busy without large batches.
+    progress:
+        Show a tqdm progress bar on standard error; default (None): when it is a terminal.
+        ``SEQSTATE_PROGRESS=0`` in the environment turns it off.
+    return_exceptions:
+        True: a failed input's entry is its exception, and the others are kept.  False: raise
+        :class:`BatchError` (holding every result) after all inputs ran.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> model = ss.models.testing.tiny()
+    >>> def program(topic):
+    ...     s = ss.text(model)(f"A word about {topic}:", max_tokens=3)
+    ...     return ss.choice(model, ["yes", "no"])(s + " Good? ").value
+    >>> answers = ss.run_batch(program, ["cats", "dogs", "owls"], progress=False)
+    >>> len(answers), all(a in ("yes", "no") for a in answers)
+    (3, True)
+    """
+    items = list(inputs)
+    if not callable(program):
+        raise ArgumentError(f"program must be a function of one input, got {program!r}")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ArgumentError(f"concurrency must be an int >= 1, got {concurrency!r}")
+    results: list[Any] = [None] * len(items)
+    errors: dict[int, BaseException] = {}
+    lock = threading.Lock()
+    bar = _progress_bar(len(items), progress)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = program(items[i])
+        except Exception as exc:                 # noqa: BLE001 - reported per input
+            with lock:
+                results[i] = exc
+                errors[i] = exc
+        if bar is not None:
+            bar.update(1)
+
+    pool = ThreadPoolExecutor(max_workers=min(concurrency, max(len(items), 1)),
+                              thread_name_prefix="seqstate-run-batch")
+    try:
+        for future in [pool.submit(one, i) for i in range(len(items))]:
+            future.result()
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)    # Ctrl-C: start nothing new
+        raise
+    finally:
+        pool.shutdown(wait=True)
+        if bar is not None:
+            bar.close()
+    if errors and not return_exceptions:
+        raise BatchError(results, errors)
+    return results
+
+
+def _progress_bar(total: int, progress: bool | None):
+    import os
+
+    if progress is None:
+        progress = sys.stderr.isatty() and os.environ.get("SEQSTATE_PROGRESS", "1") != "0"
+    if not progress or total == 0:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="seqstate", unit="input")

@@ -1,0 +1,190 @@
+"""Continuous batching: generator calls from any number of threads share decode steps.
+
+Each model has one :class:`Scheduler`.  A call becomes a :class:`Job` (its rows, its own
+sampler, RNG, hooks and stop strings); a worker thread runs one step at a time for every
+active job: newcomers join the batch (their prefixes prefilled through the store), then a
+single forward feeds every live row of every job, and each job samples its own rows from its
+slice of the logits.  A job that finishes leaves; its caller gets the result.
+
+A call's result does not depend on what else runs: a job samples only with its own RNG, from
+logits of its own rows.  An exception inside a job (a hook's, a constraint's) fails that job
+alone; its caller re-raises it.  A caller that stops listening (an abandoned stream, a
+KeyboardInterrupt while waiting) cancels its job, and the others go on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import weakref
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["Job", "Scheduler", "IDLE_SECONDS"]
+
+IDLE_SECONDS = 2.0      # the worker thread exits after this long with nothing to do
+
+
+class Job:
+    """One generator call inside the scheduler.  Subclasses give ``start``, ``wants``, ``step``.
+
+    Everything a job does runs on the worker thread; the caller only reads its outbox.
+    """
+
+    def __init__(self) -> None:
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancelled = False
+        self.slots: list[int] = []
+
+    def start(self, batch) -> None:
+        """Join ``batch``: add this job's rows (prefilling through the store)."""
+        raise NotImplementedError
+
+    def wants(self) -> tuple[list[int], list[int]]:
+        """``(slots, tokens)`` to feed this step."""
+        raise NotImplementedError
+
+    def step(self, batch, logits: torch.Tensor) -> bool:
+        """Consume this job's logits ``(len(slots), V)``; True when the job is finished."""
+        raise NotImplementedError
+
+    # -- talking to the caller ----------------------------------------------------------------
+    def deliver(self, items: Sequence[Any]) -> None:
+        if items:
+            self.outbox.put(("items", items))
+
+    def finish(self, result: Any) -> None:
+        self.outbox.put(("done", result))
+
+    def fail(self, batch, exc: BaseException) -> None:
+        for slot in self.slots:
+            batch.release(slot)
+        self.slots = []
+        self.outbox.put(("error", exc))
+
+
+class Scheduler:
+    """Runs every active job of one model, one batched step at a time, on a worker thread."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self._cv = threading.Condition()
+        self._pending: list[Job] = []
+        self._worker: threading.Thread | None = None
+        self._stopping = False
+        atexit.register(_stop, weakref.ref(self))
+
+    def execute(self, job: Job) -> Generator[Any, None, Any]:
+        """Run ``job`` with everyone else's; yields what it delivers, returns its result."""
+        if threading.current_thread() is self._worker:      # a hook calling a generator
+            return (yield from self._alone(job))
+        with self._cv:
+            self._pending.append(job)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._serve, daemon=True,
+                                                name=f"seqstate-scheduler-{self.model.name}")
+                self._worker.start()
+            self._cv.notify()
+        finished = False
+        try:
+            while True:
+                kind, payload = job.outbox.get()
+                if kind == "items":
+                    yield from payload
+                elif kind == "done":
+                    finished = True
+                    return payload
+                else:
+                    finished = True
+                    raise payload
+        finally:
+            if not finished:
+                job.cancelled = True          # the worker drops it at its next step
+
+    def _alone(self, job: Job) -> Generator[Any, None, Any]:
+        """Run ``job`` on this thread with a batch of its own (nested calls)."""
+        batch = self.model.backend.batch()
+        try:
+            running = self._step(batch, [], [job])
+            while True:
+                while not job.outbox.empty():
+                    kind, payload = job.outbox.get()
+                    if kind == "items":
+                        yield from payload
+                    elif kind == "done":
+                        return payload
+                    else:
+                        raise payload
+                running = self._step(batch, running, [])
+        finally:
+            batch.close()
+
+    # -- the worker ---------------------------------------------------------------------------
+    def _serve(self) -> None:
+        batch = self.model.backend.batch()
+        active: list[Job] = []
+        while True:
+            with self._cv:
+                if not self._pending and not active:
+                    if not self._stopping:
+                        self._cv.wait(IDLE_SECONDS)
+                    if not self._pending:
+                        self._worker = None       # a later call starts a new worker
+                        batch.close()
+                        return
+                new, self._pending = self._pending, []
+            active = self._step(batch, active, new)
+
+    def _step(self, batch, active: list[Job], new: list[Job]) -> list[Job]:
+        """Admit ``new``, run one forward for every active job, return the jobs still running."""
+        with self.model.lock, torch.inference_mode():
+            for job in new:
+                try:
+                    job.start(batch)
+                    active.append(job)
+                except BaseException as exc:      # noqa: BLE001 - delivered to its caller
+                    job.fail(batch, exc)
+            running = []
+            for job in active:
+                if job.cancelled:
+                    job.fail(batch, RuntimeError("cancelled"))
+                else:
+                    running.append(job)
+            if not running:
+                return []
+            wants = [job.wants() for job in running]
+            slots = [s for w in wants for s in w[0]]
+            tokens = [t for w in wants for t in w[1]]
+            try:
+                logits = batch.forward(slots, tokens)                                   # (N, V)
+            except BaseException as exc:          # noqa: BLE001 - the engine failed everyone
+                for job in running:
+                    job.fail(batch, exc)
+                return []
+            still, offset = [], 0
+            for job, (mine, _) in zip(running, wants):
+                part = logits[offset: offset + len(mine)]
+                offset += len(mine)
+                try:
+                    if not job.step(batch, part):
+                        still.append(job)
+                except BaseException as exc:      # noqa: BLE001 - fails this job alone
+                    job.fail(batch, exc)
+            return still
+
+
+def _stop(ref: weakref.ref) -> None:
+    """At interpreter exit: let an idle worker finish now, so no thread is inside torch while
+    the runtime shuts down."""
+    scheduler = ref()
+    if scheduler is None:
+        return
+    with scheduler._cv:
+        scheduler._stopping = True
+        worker = scheduler._worker
+        scheduler._cv.notify_all()
+    if worker is not None:
+        worker.join(timeout=5)

@@ -1,0 +1,137 @@
+"""The state contract on every engine: the tiny HF model (exact) and the GGUF on llama.cpp.
+
+Exactness is each engine against its own fresh evaluation of the same tokens (HF to fp32
+noise; llama.cpp within its measured noise floor, see seqstate.backends.llamacpp).
+"""
+
+from conftest import tolerance
+from pydantic import BaseModel
+
+import seqstate as ss
+from seqstate.engine import next_logits
+from seqstate.hooks import Rollback
+
+
+def assert_fresh(model, state):
+    """Logits through the state's stored KV equal a fresh evaluation of its tokens."""
+    rows = [list(r.tokens) for r in state.rows]
+    got = next_logits(model, rows)
+    for r, g in zip(rows, got):
+        diff = (g - model.full_logits(r)[-1]).abs().max().item()
+        assert diff < tolerance(model), f"{diff} on {model.engine}"
+
+
+class Pet(BaseModel):
+    name: str
+    legs: int
+
+
+def test_every_generator_kind(engine):
+    prompt = "Q: a pet and a number.\nA:"
+    s = ss.text(engine)(prompt, max_tokens=5)
+    assert s.finish_reason in ("max_tokens", "eos") and str(s).startswith(prompt)
+    assert ss.choice(engine, ["cat", "catalog"])(s + " pet: ").value in ("cat", "catalog")
+    assert ss.regex(engine, r"[0-9]{1,3}")(s + " n=").value.isdigit()
+    pet = ss.json(engine, Pet)(s + " JSON: ", max_tokens=60)
+    assert pet.finish_reason in ("constraint_complete", "max_tokens")
+    expr = ss.cfg(engine, ss.grammars.load("arithmetic"))(s + " 1+", max_tokens=8)
+    assert expr.finish_reason in ("constraint_complete", "max_tokens")
+    assert_fresh(engine, pet)
+
+
+def test_continuing_prefills_only_new_tokens(engine):
+    text = ss.text(engine)
+    s = text("The three primary colours are", max_tokens=6)
+    before = engine.stats
+    s2 = text(s + " and", max_tokens=4)
+    used = engine.stats - before
+    # only the last generated token and " and" lack KV
+    assert used.prefill_tokens <= 1 + len(engine.encode(" and"))
+    assert used.cached_tokens_reused >= len(s.token_ids[0][0]) - 1
+    assert_fresh(engine, s2)
+
+
+def test_slice_back_fork_and_concat_keep_exact_kv(engine):
+    text = ss.text(engine)
+    s = text("Once upon a time", max_tokens=8)
+    short = s[..., :-3]
+    before = engine.stats
+    forks = text(short, num_samples=3, sampler=ss.multinomial(temperature=1.0), seed=1,
+                 max_tokens=4)
+    used = engine.stats - before
+    assert used.prefill_tokens <= 1                     # the prompt's KV came from s
+    assert forks.shape == (1, 3)
+    assert all(ids[: len(short.token_ids[0][0])] == short.token_ids[0][0]
+               for ids in forks.token_ids[0])
+    both = forks[:, :2, :] + ss.from_tokens(engine, [engine.encode(" The end.")])
+    assert both.shape == (1, 2)
+    assert_fresh(engine, forks)
+    assert_fresh(engine, text(both, max_tokens=2))
+
+
+def test_resume_continues_the_constraint(engine):
+    gen = ss.regex(engine, r"[a-z]{4}-[0-9]{4}")
+    s = gen("Code: ", max_tokens=20)
+    assert s.finish_reason == "constraint_complete"
+    back = s[..., :-2]
+    again = gen.resume(back)
+    assert again.finish_reason == "constraint_complete"
+    assert len(again.value) == 9 and again.value[:4].isalpha()
+
+
+def test_hooks_rollback_and_banned_phrases(engine):
+    text = ss.text(engine)
+    free = text("Once upon a time", max_tokens=12)
+    word = free.value.split()[1] if len(free.value.split()) > 1 else free.value.strip()
+    ban = ss.hooks.ban_phrases([word])
+    clean = text("Once upon a time", max_tokens=12, hooks=[ban])
+    assert word.lower() not in clean.value.lower()
+    fired = []
+
+    def back_two(event):
+        if len(event.generated) == 4 and not fired:
+            fired.append(event.generated[2])
+            return Rollback(2)
+        return None
+
+    s = text("Hello there", max_tokens=6, hooks=[back_two])
+    assert fired and len(s.token_ids[0][0]) == len(engine.encode("Hello there")) + 6
+    assert_fresh(engine, s)
+
+
+def test_token_healing(engine):
+    s = ss.text(engine)("The url is http", max_tokens=4, token_healing=True)
+    assert str(s).startswith("The url is http")
+
+
+def test_beam_search_and_option_scoring(engine):
+    beam = ss.beam_search(2)
+    s = ss.text(engine)("The best fruit is", sampler=beam, max_tokens=3)
+    assert s.shape == (1, 2)
+    s = ss.choice(engine, ["apples", "pears"])(s + " or ", sampler=beam)
+    assert s.shape[1] >= 1 and all(v in ("apples", "pears") for v in s.value[0])
+    # weights are the sums of the engine's own log-probs of every generated token
+    for ids, lps in zip(s.token_ids[0], s.logprobs[0]):
+        fresh = engine.full_logits(ids).log_softmax(-1)
+        for pos, lp in enumerate(lps):
+            if lp is not None:
+                assert abs(fresh[pos - 1, ids[pos]].item() - lp) < tolerance(engine)
+    scored = ss.choice(engine, ["yes", "no"], method="score")("Is water wet? Answer:")
+    assert set(scored.scores) == {"yes", "no"}
+
+
+def test_streaming_chunks_equal_the_value(engine):
+    stream = ss.text(engine).stream("Count: 1, 2,", max_tokens=12, stop_at=", 6")
+    chunks = []
+    while True:
+        try:
+            chunks.append(next(stream))
+        except StopIteration as stop:
+            state = stop.value
+            break
+    assert "".join(chunks) == state.value
+
+
+def test_store_is_consistent_after_everything(engine):
+    ss.text(engine)(["a", "b", "c"], num_samples=2, sampler=ss.multinomial(), seed=3, max_tokens=3)
+    engine.store.verify()

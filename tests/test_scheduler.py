@@ -1,0 +1,165 @@
+"""Concurrent calls share decode steps, and a call's result never depends on the others."""
+
+import asyncio
+import gc
+import random
+import threading
+
+import pytest
+
+import seqstate as ss
+from seqstate.hooks import Rollback
+
+TOPICS = ["rain", "cats", "tea", "maps", "bees", "jazz", "salt", "wind"]
+
+
+def chained(model, seed=None):
+    """A 3-call program mixing free text, a choice and a regex (sampled when seeded)."""
+    sampler = ss.multinomial(temperature=0.9) if seed is not None else ss.greedy()
+
+    def program(topic):
+        kw = dict(sampler=sampler, seed=seed) if seed is not None else {}
+        s = ss.text(model)(f"Write about {topic}:", max_tokens=6, **kw)
+        s = ss.choice(model, ["good", "bad", "so-so"])(s + "\nVerdict:", **kw)
+        s = ss.regex(model, r"[0-9]{1,2}")(s + "\nScore:", **kw)
+        return s.token_ids, s.value
+    return program
+
+
+@pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
+def test_concurrent_programs_equal_sequential(fresh_tiny, seed):
+    program = chained(fresh_tiny, seed)
+    alone = [program(t) for t in TOPICS]
+    before = fresh_tiny.stats
+    together = ss.run_batch(program, TOPICS, concurrency=8, progress=False)
+    used = fresh_tiny.stats - before
+    assert together == alone
+    # the calls really shared forwards: fewer forwards than decode tokens
+    assert used.forward_calls < used.decode_tokens
+    fresh_tiny.store.verify()
+
+
+def test_a_failing_call_fails_alone(tiny):
+    program = chained(tiny)
+
+    def sometimes_bad(i):
+        if i == 2:
+            return ss.text(tiny)("x", max_tokens=0)               # bad input
+        if i == 5:
+            def boom(event):
+                if len(event.generated) == 2:
+                    raise RuntimeError("hook failed")
+            return ss.text(tiny)("y", max_tokens=8, hooks=[boom])
+        return program(TOPICS[i])
+
+    results = ss.run_batch(sometimes_bad, range(8), concurrency=8, progress=False)
+    assert isinstance(results[2], ss.ArgumentError)
+    assert isinstance(results[5], RuntimeError) and "hook failed" in str(results[5])
+    for i in (0, 1, 3, 4, 6, 7):
+        assert results[i] == program(TOPICS[i])
+    with pytest.raises(ss.BatchError) as info:
+        ss.run_batch(sometimes_bad, range(8), progress=False, return_exceptions=False)
+    assert set(info.value.errors) == {2, 5} and len(info.value.results) == 8
+
+
+def test_interrupts_and_abandoned_streams_leave_others_running(tiny):
+    expected = ss.text(tiny)("Still here", max_tokens=12).token_ids
+    got, errors = [], []
+
+    def steady():
+        got.append(ss.text(tiny)("Still here", max_tokens=12).token_ids)
+
+    def interrupted():
+        def stop(event):
+            if len(event.generated) == 3:
+                raise KeyboardInterrupt
+        try:
+            ss.text(tiny)("Stop me", max_tokens=12, hooks=[stop])
+        except KeyboardInterrupt as exc:
+            errors.append(exc)
+
+    def abandoned():
+        stream = ss.text(tiny).stream("Never finished", max_tokens=40)
+        next(stream)
+        del stream
+        gc.collect()
+
+    threads = [threading.Thread(target=f) for f in (steady, interrupted, abandoned, steady)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == [expected, expected] and len(errors) == 1
+    assert ss.text(tiny)("Still here", max_tokens=12).token_ids == expected
+    tiny.store.verify()
+
+
+def test_beam_search_and_scoring_join_with_others(tiny):
+    beam = lambda p: ss.text(tiny)(p, sampler=ss.beam_search(3), max_tokens=4).token_ids  # noqa: E731
+    score = lambda p: ss.choice(tiny, ["yes", "no"], method="score")(p).scores  # noqa: E731
+    alone = [beam("One"), score("Two"), beam("Three")]
+    together = ss.run_batch(lambda f: f(), [lambda: beam("One"), lambda: score("Two"),
+                                            lambda: beam("Three")], progress=False)
+    assert together[0] == alone[0] and together[2] == alone[2]
+    assert together[1].keys() == alone[1].keys()
+    assert all(abs(together[1][k] - alone[1][k]) < 1e-4 for k in alone[1])
+
+
+def test_async_calls(tiny):
+    gen = ss.text(tiny)
+    expected = [gen(t, max_tokens=5).token_ids for t in TOPICS[:4]]
+
+    async def main():
+        return await asyncio.gather(*(gen.acall(t, max_tokens=5) for t in TOPICS[:4]))
+
+    assert [s.token_ids for s in asyncio.run(main())] == expected
+
+
+def test_progress_bar_shows_and_can_be_silenced(tiny, capsys):
+    ss.run_batch(lambda t: ss.text(tiny)(t, max_tokens=1), TOPICS[:3], progress=True)
+    assert "3/3" in capsys.readouterr().err
+    ss.run_batch(lambda t: ss.text(tiny)(t, max_tokens=1), TOPICS[:3], progress=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_soak_of_concurrent_random_programs(fresh_tiny):
+    m = fresh_tiny
+    m.store.budget_bytes = 1 << 20
+    text = ss.text(m)
+
+    def program(seed):
+        rng = random.Random(seed)
+        s = text(f"Program {seed}:", max_tokens=rng.randint(1, 6))
+        for _ in range(5):
+            op = rng.choice(["gen", "fork", "slice", "concat", "rollback"])
+            if op == "gen":
+                s = text(s, max_tokens=rng.randint(1, 4))
+            elif op == "fork":
+                s = text(s[:, :1, :], num_samples=rng.randint(2, 3), sampler=ss.multinomial(),
+                         seed=seed, max_tokens=2)[:, :1, :]
+            elif op == "slice":
+                s = s[..., : max(1, len(s.token_ids[0][0]) - rng.randint(1, 3))]
+            elif op == "concat":
+                s = s + f" then {seed}"
+            else:
+                s = text(s, max_tokens=4, hooks=[lambda e: Rollback(1) if len(e.generated) == 2
+                                                 and e.position % 2 else None])
+        return s.token_ids
+
+    first = ss.run_batch(program, range(24), concurrency=12, progress=False)
+    assert all(not isinstance(r, BaseException) for r in first)
+    m.store.verify()
+    assert first == [program(i) for i in range(24)]
+    m.store.verify()
+
+
+@pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
+def test_concurrent_programs_on_llamacpp(llama, seed):
+    program = chained(llama, seed)
+    alone = [program(t) for t in TOPICS]
+    before = llama.stats
+    together = ss.run_batch(program, TOPICS, concurrency=8, progress=False)
+    used = llama.stats - before
+    assert together == alone
+    assert used.forward_calls < used.decode_tokens       # rows of several calls per decode
+    llama.backend.verify()
