@@ -112,15 +112,21 @@ class Generator:
         if self.constraint is None:
             return kept, removed, HealingCursor(self.model.vocab, removed.encode())
         inner = self.constraint
-        if not isinstance(inner, RegexConstraint) or inner.pattern.startswith("<"):
-            raise ConstraintError("token_healing works with text, regex, choice and json generators; "
-                                  f"this {self.name} generator's constraint cannot be prefixed")
-        key = ("healed", removed, inner.pattern)
+        key = ("healed", removed, id(inner))
         if key not in self.model.constraint_cache:
-            self.model.constraint_cache[key] = RegexConstraint(
-                compiled.escape(removed) + "(" + inner.pattern + ")", self.model,
-                parse=lambda t, n=len(removed): inner.parse(t[n:]))
+            self.model.constraint_cache[key] = self._prefixed(inner, removed)
         return kept, removed, self.model.constraint_cache[key].start()
+
+    def _prefixed(self, inner: Any, removed: str) -> Any:
+        """``inner`` with the healed text required first (its value parses what follows)."""
+        if hasattr(inner, "prefixed"):                     # llguidance grammars and JSON
+            return inner.prefixed(removed)
+        if not isinstance(inner, RegexConstraint) or inner.pattern.startswith("<"):
+            raise ConstraintError("token_healing works with text, regex, choice, json and cfg "
+                                  f"generators; this {self.name} generator's constraint cannot "
+                                  "be prefixed")
+        return RegexConstraint(compiled.escape(removed) + "(" + inner.pattern + ")", self.model,
+                               parse=lambda t, n=len(removed): inner.parse(t[n:]))
 
     def _check_hooks(self, hooks: Sequence[Callable]) -> None:
         """A banned phrase that the constraint forces is an error, found before compute."""
@@ -162,14 +168,22 @@ class Generator:
         start = res.start if span_start is None else span_start
         # a resumed span's text runs from where the span began; res.text excludes a stop string
         text = self.model.vocab.decode(res.tokens[start:res.start]) + res.text
+        reason = res.finish_reason
         if self.constraint is None:
             value = res.text[len(healed):]
-        elif res.finish_reason == "constraint_complete" or (cursor is not None and cursor.accepting):
-            value = self._parse(cursor, text)
+        elif reason == "constraint_complete" or (cursor is not None and cursor.accepting):
+            # a value the grammar allows but the schema does not (uniqueItems, ...) is never
+            # returned as valid
+            constraint = getattr(cursor, "constraint", None) or self.constraint
+            validate = getattr(constraint, "validate", None)
+            if validate is not None and validate(text) is not None:
+                value, reason = None, "invalid"
+            else:
+                value = self._parse(cursor, text)
         else:
             value = None
         spans = old.spans if span_start is None else old.spans[:-1]
-        span = Span(start, len(res.tokens), self, res.finish_reason, value)
+        span = Span(start, len(res.tokens), self, reason, value)
         return Row(res.tokens, res.handle, old.logprobs + res.logprobs, old.cursors + res.cursors,
                    spans + (span,))
 
@@ -367,9 +381,20 @@ def regex(model: Model, pattern: str) -> Generator:
     return Generator(model, compiled.regex(model, pattern), "regex")
 
 
-def json(model: Model, schema: Any) -> Generator:
-    """JSON matching ``schema`` (a pydantic model, a dict or a JSON-schema string); value is parsed."""
-    return Generator(model, compiled.json_schema(model, schema), "json")
+def json(model: Model, schema: Any, *, whitespace: str = "compact",
+         additional_properties: bool = False, key_order: str = "schema") -> Generator:
+    """JSON matching ``schema`` (a pydantic model, a dict or a JSON-schema string); value is parsed.
+
+    ``whitespace``: "compact" (at most one space after ``,``/``:``), "pretty" (indented) or
+    "flexible" (any JSON whitespace).  ``additional_properties``: whether objects whose
+    schema does not say may get keys it does not list.  ``key_order``: "schema" or
+    "required_first".  A finished value is validated against the schema with ``jsonschema``;
+    one that fails (a keyword only validation checks, such as ``uniqueItems``) finishes with
+    ``finish_reason == "invalid"`` and value None.
+    """
+    return Generator(model, compiled.json_schema(model, schema, whitespace=whitespace,
+                                                 additional_properties=additional_properties,
+                                                 key_order=key_order), "json")
 
 
 def cfg(model: Model, grammar: str) -> Generator:

@@ -114,3 +114,12 @@ def test_healing_budget_counts_only_new_text(real):
     s = ss.text(real)("The url is http", max_tokens=1, token_healing=True)
     assert str(s).startswith("The url is http")
     assert len(str(s)) > len("The url is http")
+
+
+def test_token_healing_with_json_and_grammar(tiny):
+    s = ss.json(tiny, {"type": "string", "enum": ["pears", "plums"]})('Fruit: "p', token_healing=True)
+    assert str(s).startswith('Fruit: "p')
+    if s.finish_reason == "constraint_complete":
+        assert s.value in ("pears", "plums")
+    g = ss.cfg(tiny, 'start: "plum" | "pear"')("I ate a p", token_healing=True, max_tokens=6)
+    assert str(g).startswith("I ate a p")

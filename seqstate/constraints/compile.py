@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from seqstate.constraints.grammar import GrammarConstraint
+from seqstate.constraints.json_constraint import JsonConstraint, check_options
 from seqstate.constraints.regex import RegexConstraint
 from seqstate.errors import ConstraintError
 
@@ -132,38 +133,53 @@ def choice(model, spec: Any) -> RegexConstraint:
                    lambda: RegexConstraint(pattern, model, parse=by_text.__getitem__))
 
 
-def _schema_of(spec: Any) -> tuple[str, Callable[[str], Any]]:
+def _schema_of(spec: Any) -> tuple[object, str, Callable[[str], Any], object]:
+    """``(schema, schema text, parse, cache key part)`` of a JSON-schema spec."""
     if isinstance(spec, type) and hasattr(spec, "model_json_schema"):    # pydantic model
-        return json.dumps(spec.model_json_schema()), spec.model_validate_json
-    if isinstance(spec, dict):
-        return json.dumps(spec), json.loads
+        schema = spec.model_json_schema()
+        return schema, json.dumps(schema), spec.model_validate_json, spec
+    if isinstance(spec, (dict, bool)):
+        try:
+            text = json.dumps(spec)
+        except (TypeError, ValueError) as exc:
+            raise ConstraintError(f"the JSON schema dict is not JSON: {exc}") from exc
+        return spec, text, json.loads, None
     if isinstance(spec, str):
         try:
-            json.loads(spec)
+            schema = json.loads(spec)
         except ValueError as exc:
             raise ConstraintError(f"the JSON schema string is not valid JSON: {exc}") from exc
-        return spec, json.loads
+        if not isinstance(schema, (dict, bool)):
+            raise ConstraintError(f"a JSON schema is an object (or true/false), got "
+                                  f"{type(schema).__name__} {_short(spec)}")
+        return schema, spec, json.loads, None
     raise ConstraintError(f"expected a pydantic model class, a dict or a JSON-schema string, "
                           f"got {type(spec).__name__}")
 
 
-def json_schema(model, spec: Any, whitespace: str | None = r"[ ]?") -> RegexConstraint:
-    from outlines_core.json_schema import build_regex_from_schema
+def json_schema(model, spec: Any, *, whitespace: str = "compact",
+                additional_properties: bool = False, key_order: str = "schema") -> JsonConstraint:
+    """A compiled JSON-schema constraint (llguidance), cached per schema and options.
 
-    schema, parse = _schema_of(spec)
-    if len(schema) > MAX_PATTERN_CHARS:
-        raise ConstraintError(f"JSON schema of {len(schema)} characters exceeds {MAX_PATTERN_CHARS}; "
-                              "generate its parts in separate calls")
-
-    def build() -> RegexConstraint:
-        try:
-            pattern = build_regex_from_schema(schema, whitespace)
-        except Exception as exc:
-            raise ConstraintError(f"unsupported or invalid JSON schema: {exc}") from exc
-        _check_size(pattern, max_chars=50 * MAX_PATTERN_CHARS)    # schema regexes run long
-        return RegexConstraint(pattern, model, parse=parse)
-
-    return _cached(model, ("json", schema, whitespace, id(parse)), build)
+    Parameters
+    ----------
+    spec : pydantic model class, dict or str
+        The schema; a pydantic model's values parse into instances, the others into JSON.
+    whitespace : {"compact", "pretty", "flexible"}
+        At most one space after "," and ":" on one line; also newlines with indentation;
+        any JSON whitespace.
+    additional_properties : bool
+        False closes object schemas that list ``properties`` without saying whether other
+        keys are allowed (see ``json_schema.prepare``); True follows the JSON Schema default.
+    key_order : {"schema", "required_first"}
+        Properties in the schema's order, or the required ones first.
+    """
+    check_options(whitespace, additional_properties, key_order)
+    schema, text, parse, owner = _schema_of(spec)
+    key = ("json", text, owner, whitespace, additional_properties, key_order)
+    return _cached(model, key, lambda: JsonConstraint(
+        schema, model, parse, whitespace=whitespace, additional_properties=additional_properties,
+        key_order=key_order))
 
 
 def cfg(model, lark: str) -> GrammarConstraint:

@@ -1,12 +1,16 @@
-"""Context-free (Lark) grammar constraints on llguidance.
+"""Grammar constraints on llguidance: Lark grammars, and JSON schemas compiled to grammars.
 
-The grammar is compiled once; a cursor holds an llguidance matcher that is forked with
-``deep_copy`` (~1 us) on every advance, so each generated token keeps its own cursor and slicing
-back needs no rollback.  llguidance silently enters a permanent error state on a bad token, so
-``advance`` checks and raises instead.
+The grammar is compiled once into a pristine matcher; each row starts from a ``deep_copy`` of it
+(~1 us), and a cursor forks its matcher on every advance, so each generated token keeps its own
+cursor and slicing back needs no rollback.  llguidance silently enters a permanent error state
+on a bad token, so ``advance`` checks and raises instead.  Parser limits bound the work of
+compiling and of each mask, so a pathological grammar fails or dead-ends instead of hanging.
 """
 
 from __future__ import annotations
+
+import json
+from collections.abc import Callable
 
 import llguidance
 import llguidance.hf
@@ -26,20 +30,59 @@ def _tokenizer(model):
     return cache[("llguidance-tokenizer",)]
 
 
-class GrammarConstraint:
-    """A compiled Lark grammar: frozen and shared by every row."""
+def _limits() -> llguidance.LLParserLimits:
+    """llguidance's resource limits, spelled out: lexer fuel, Earley items per mask, sizes."""
+    return llguidance.LLParserLimits(
+        max_items_in_row=2_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+        step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000)
 
-    def __init__(self, lark: str, model, parse=str, serialized: str | None = None) -> None:
+
+def _lark_error(error: str) -> str:
+    return (f"invalid Lark grammar:\n{error.strip()}\nfix the grammar text "
+            "(llguidance Lark syntax; the rule `start` is the entry point)")
+
+
+class GrammarConstraint:
+    """A compiled llguidance grammar: frozen and shared by every row.
+
+    Parameters
+    ----------
+    lark : str
+        Lark grammar text (or a description, when ``serialized`` is given).
+    model : Model
+        The model whose tokenizer the grammar is compiled for.
+    parse : callable, optional
+        Turns a complete match into the call's ``value``.
+    serialized : str, optional
+        An llguidance grammar already built (``LLMatcher.grammar_from_*``), used instead of
+        ``lark``.
+    validate : callable, optional
+        ``validate(text) -> str | None``: a check of a complete match that the grammar cannot
+        make; None when valid, else why not.
+    describe_error : callable, optional
+        Turns llguidance's compile error into the ``ConstraintError`` message.
+    """
+
+    def __init__(self, lark: str, model, parse: Callable[[str], object] = str,
+                 serialized: str | None = None, *,
+                 validate: Callable[[str], str | None] | None = None,
+                 describe_error: Callable[[str], str] = _lark_error) -> None:
         self.lark = lark
         self._parse = parse
+        self._validate = validate
+        self.model = model
         self.vocab_size = model.vocab.size
         self.eos = sorted(model.eos_token_ids)
         self.tokenizer = _tokenizer(model)
         self.grammar = serialized or llguidance.LLMatcher.grammar_from_lark(lark)
-        error = llguidance.LLMatcher.validate_grammar(self.grammar, self.tokenizer)
+        try:
+            self._origin = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0,
+                                                limits=_limits())
+            error = self._origin.get_error()
+        except (ValueError, RuntimeError) as exc:
+            error = str(exc)
         if error:
-            raise ConstraintError(f"invalid Lark grammar:\n{error.strip()}\nfix the grammar text "
-                                  "(llguidance Lark syntax; the rule `start` is the entry point)")
+            raise ConstraintError(describe_error(error))
 
     @classmethod
     def from_serialized(cls, grammar: str, model) -> GrammarConstraint:
@@ -47,29 +90,60 @@ class GrammarConstraint:
         return cls("<llguidance grammar>", model, serialized=grammar)
 
     def start(self) -> GrammarCursor:
-        return GrammarCursor(self, llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0))
+        return GrammarCursor(self, self._origin.deep_copy())
 
     def parse(self, text: str) -> object:
+        """The value of a complete match; raises ``ValueError`` if ``validate`` rejects it."""
+        error = self.validate(text)
+        if error is not None:
+            raise ValueError(f"the generated text is not valid: {error}")
         return self._parse(text)
+
+    def validate(self, text: str) -> str | None:
+        """None when the complete match ``text`` is valid, else a message saying why not."""
+        return None if self._validate is None else self._validate(text)
+
+    def prefixed(self, text: str) -> GrammarConstraint:
+        """This grammar with ``text`` required first; parse and validate see the rest only.
+
+        Token healing backs up prompt text that the generation must then reproduce.
+        """
+        try:
+            inner = json.loads(self.grammar)
+        except ValueError:
+            inner = {"grammars": [{"name": "inner", "lark_grammar": self.grammar}]}
+        grammars = [dict(g) for g in inner["grammars"]]
+        grammars[0]["name"] = grammars[0].get("name") or "inner"
+        lark = f"start: {json.dumps(text, ensure_ascii=False)} @{grammars[0]['name']}"
+        head = {"name": "prefixed", "lark_grammar": lark}
+        n = len(text)
+        return GrammarConstraint(
+            f"{text!r} + {self.lark}", self.model, lambda t: self._parse(t[n:]),
+            json.dumps({**inner, "grammars": [head, *grammars]}),
+            validate=None if self._validate is None else lambda t: self._validate(t[n:]))
 
 
 class GrammarCursor:
-    """An llguidance matcher owned by exactly one generated token; never mutated after."""
+    """An llguidance matcher owned by exactly one generated token; never advanced in place."""
 
-    __slots__ = ("constraint", "matcher")
+    __slots__ = ("constraint", "matcher", "_bits", "_mask")
 
     def __init__(self, constraint: GrammarConstraint, matcher) -> None:
         self.constraint = constraint
         self.matcher = matcher
-
-    def _bits(self) -> np.ndarray:
-        packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        return np.unpackbits(packed, bitorder="little")[: self.constraint.vocab_size]
+        self._bits: np.ndarray | None = None
+        self._mask: torch.Tensor | None = None
 
     def allowed(self) -> torch.Tensor:
-        mask = torch.from_numpy(self._bits().astype(bool))                          # (V,)
-        mask[self.constraint.eos] = self.accepting
-        return mask
+        """The allowed tokens; computed once per cursor (the engine asks for it, then
+        ``complete`` does), and shared, so callers must not write to it."""
+        if self._mask is None:
+            packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+            bits = np.unpackbits(packed, bitorder="little")[: self.constraint.vocab_size]
+            bits = bits.view(bool)                                                 # (V,)
+            bits[self.constraint.eos] = self.accepting
+            self._bits, self._mask = bits, torch.from_numpy(bits)
+        return self._mask
 
     def advance(self, token: int) -> GrammarCursor:
         m = self.matcher.deep_copy()
@@ -86,6 +160,6 @@ class GrammarCursor:
         return self.matcher.is_stopped() or (self.accepting and not self._can_continue())
 
     def _can_continue(self) -> bool:
-        bits = self._bits()
-        bits[self.constraint.eos] = 0
-        return bool(bits.any())
+        self.allowed()
+        eos = self.constraint.eos
+        return int(np.count_nonzero(self._bits)) > int(np.count_nonzero(self._bits[eos]))
