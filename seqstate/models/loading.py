@@ -171,7 +171,7 @@ def llamacpp(path: str | os.PathLike, *, tokenizer: Any = None, n_ctx: int = 409
     >>> ss.text(fast)("Hello", max_tokens=4).shape                       # doctest: +SKIP
     (1, 1)
     """
-    from seqstate.models.llamacpp import LlamaCppModel
+    from seqstate.models.llamacpp_model import LlamaCppModel
 
     path = Path(path)
     if not path.is_file():

@@ -100,12 +100,17 @@ class LlamaCppBackend:
 
     Examples
     --------
-    >>> backend = LlamaCppBackend(gguf_path, n_ctx=2048)        # doctest: +SKIP
+    >>> import seqstate as ss
+    >>> backend = LlamaCppBackend(ss.models.default_gguf(), n_ctx=2048, n_threads=1)
+    >>> prompt_ids = ss.models.loading.default_tokenizer().encode("Hello there")
     >>> batch = backend.batch()
     >>> [slot] = batch.add([prompt_ids], extra=8)               # prefills prompt_ids[:-1]
-    >>> logits = batch.forward([slot], [prompt_ids[-1]])        # (1, V) next-token logits
+    >>> batch.forward([slot], [prompt_ids[-1]]).shape           # next-token logits
+    torch.Size([1, 49152])
     >>> handle = batch.commit(slot, prompt_ids, len(prompt_ids))
     >>> batch.close()
+    >>> handle.length == len(prompt_ids)
+    True
     """
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, n_threads: int | None = None,
@@ -113,6 +118,7 @@ class LlamaCppBackend:
         if not 3 <= n_seq_max <= 256:
             raise ValueError(f"n_seq_max must be in 3..256 (llama.cpp's limit), got {n_seq_max}")
         threads = n_threads or usable_cores()
+        self.n_threads = threads
         self._llama = Llama(str(Path(path)), n_ctx, threads, n_seq_max, n_batch)
         self.n_ctx = ll.llama_n_ctx(self._llama.ctx)
         self.n_seq_max = n_seq_max

@@ -126,9 +126,15 @@ class SeqStore:
 
     Examples
     --------
-    >>> store = SeqStore(memory, range(1, 64))          # doctest: +SKIP
-    >>> seq = store.acquire()                           # decode tokens[:n] into `seq` ...
-    >>> handle = store.insert(tokens, n, seq)           # ... and store them: `seq` is a carrier
+    Every llama.cpp model has one, as ``model.store``:
+
+    >>> import seqstate as ss
+    >>> model = ss.models.default(engine="llama.cpp", n_ctx=1024, n_threads=1)
+    >>> state = ss.text(model)("Hello there", max_tokens=3)
+    >>> ids = state.token_ids[0][0]
+    >>> model.store.match(ids).length >= len(ids) - 1     # every token but the last is stored
+    True
+    >>> model.store.verify()
     """
 
     def __init__(self, memory: Memory, seq_ids: Iterable[int], overflow_hint: str = "") -> None:
