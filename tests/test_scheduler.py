@@ -27,16 +27,16 @@ def chained(model, seed=None):
 
 
 @pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
-def test_concurrent_programs_equal_sequential(fresh_tiny, seed):
-    program = chained(fresh_tiny, seed)
+def test_concurrent_programs_equal_sequential(engine, seed):
+    program = chained(engine, seed)
     alone = [program(t) for t in TOPICS]
-    before = fresh_tiny.stats
+    before = engine.stats
     together = ss.run_batch(program, TOPICS, concurrency=8, progress=False)
-    used = fresh_tiny.stats - before
+    used = engine.stats - before
     assert together == alone
     # the calls really shared forwards: fewer forwards than decode tokens
     assert used.forward_calls < used.decode_tokens
-    fresh_tiny.store.verify()
+    engine.store.verify()
 
 
 def test_a_failing_call_fails_alone(tiny):
@@ -152,14 +152,3 @@ def test_soak_of_concurrent_random_programs(fresh_tiny):
     assert first == [program(i) for i in range(24)]
     m.store.verify()
 
-
-@pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
-def test_concurrent_programs_on_llamacpp(llama, seed):
-    program = chained(llama, seed)
-    alone = [program(t) for t in TOPICS]
-    before = llama.stats
-    together = ss.run_batch(program, TOPICS, concurrency=8, progress=False)
-    used = llama.stats - before
-    assert together == alone
-    assert used.forward_calls < used.decode_tokens       # rows of several calls per decode
-    llama.backend.verify()
