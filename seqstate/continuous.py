@@ -201,7 +201,7 @@ class Generator:
         Keywords: ``max_tokens``, ``stop_at``, ``num_samples``, ``sampler``, ``seed``, ``rng``,
         ``hooks``, ``token_healing``, ``max_backtracks``.
         """
-        return final_state(self.stream(prompt, **kwargs))
+        return final_state(self._stream(prompt, kwargs, resume=False, chunks=False))
 
     async def acall(self, prompt: Prompt, **kwargs: Any) -> SequenceState:
         """``await gen.acall(...)``: the same call from an event loop (it runs on a worker
@@ -210,7 +210,7 @@ class Generator:
 
     def resume(self, state: SequenceState, **kwargs: Any) -> SequenceState:
         """Continue each row's last generator call exactly where the (sliced) state stands."""
-        return final_state(self._stream(state, kwargs, resume=True))
+        return final_state(self._stream(state, kwargs, resume=True, chunks=False))
 
     def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[Any]:
         """Yield generated text as it is produced; the iterator's return value is the final state.
@@ -256,16 +256,21 @@ class Generator:
                 rows.append(self._row(state.rows[i], res, span_starts[i], healed[i]))
         return SequenceState(self.model, tuple(rows), state.batch, samples)
 
-    def _stream(self, prompt: Prompt, kwargs: dict, resume: bool):
+    def _stream(self, prompt: Prompt, kwargs: dict, resume: bool, chunks: bool = True):
         call = Call.of(kwargs)
         if isinstance(call.sampler, BeamSearch):
             return self._beam(prompt, call, resume)       # streams nothing until it is done
         state, requests, span_starts, healed = self._prepare(prompt, call, resume)
-        observe = _Chunks(state, [len(h) for h in healed], call)
+        # a call that is not streamed hears from the worker once, when it is done
+        observe = _Chunks(state, [len(h) for h in healed], call) if chunks else _nothing
         results = yield from run(self.model, requests, call.sampler, call.generator(), call.hooks,
                                  call.max_backtracks, observe)
         rows = [self._row(r, res, st, h) for r, res, st, h in zip(state.rows, results, span_starts, healed)]
         return SequenceState(self.model, tuple(rows), state.batch, state.samples)
+
+
+def _nothing(rows) -> tuple:
+    return ()
 
 
 class _Chunks:
@@ -338,7 +343,7 @@ class ScoredChoice(Generator):
         self.option_ids = [model.encode(t) for t in self.texts]
         self.length_normalize = length_normalize
 
-    def _stream(self, prompt: Prompt, kwargs: dict, resume: bool):
+    def _stream(self, prompt: Prompt, kwargs: dict, resume: bool, chunks: bool = True):
         call = Call.of(kwargs)
         if resume:
             raise ValueError("a scored choice has nothing to resume; call it again instead")
