@@ -152,3 +152,22 @@ def test_soak_of_concurrent_random_programs(fresh_tiny):
     assert first == [program(i) for i in range(24)]
     m.store.verify()
 
+
+
+def test_a_hook_that_calls_a_generator_runs_it_inline(tiny):
+    expected = ss.text(tiny)("Inner", max_tokens=3).token_ids
+    seen = []
+
+    def nested(event):
+        if not seen:                     # runs on the scheduler's worker: must not deadlock
+            seen.append(ss.text(tiny)("Inner", max_tokens=3).token_ids)
+        return None
+
+    ss.text(tiny)("Outer", max_tokens=4, hooks=[nested])
+    assert seen == [expected]
+    tiny.store.verify()
+
+
+def test_unknown_engine_is_an_argument_error():
+    with pytest.raises(ss.ArgumentError, match="engine"):
+        ss.models.default(engine="vllm")

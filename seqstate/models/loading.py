@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from seqstate.errors import ModelNotAvailable
+from seqstate.errors import ArgumentError, ModelNotAvailable
 from seqstate.kv.store import DEFAULT_BUDGET_BYTES
 from seqstate.models.base import BaseModel
 from seqstate.models.hf import Model
@@ -143,12 +143,12 @@ def default(*, engine: str = "hf", dtype: torch.dtype = torch.float32,
     8192
     """
     if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        raise ArgumentError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine == "llama.cpp":
         return llamacpp(default_gguf(), tokenizer=default_tokenizer(),
                         name="SmolLM2-135M-Instruct (llama.cpp)", **llamacpp_options)
     if llamacpp_options:
-        raise TypeError(f"{sorted(llamacpp_options)} are options of engine='llama.cpp'")
+        raise ArgumentError(f"{sorted(llamacpp_options)} are options of engine='llama.cpp'")
     hf = _load_default_hf(dtype)
     return Model(hf, default_tokenizer(), kv_budget_bytes=kv_budget_bytes,
                  name="SmolLM2-135M-Instruct")
