@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 import seqstate as ss
-from benchmarks.harness import best_of, report
+from benchmarks.harness import best_of, interleaved, report
 from benchmarks.programs import chained_seqstate
 from seqstate.engine import RowRequest, generate
 from seqstate.sampling import greedy, multinomial
@@ -49,9 +49,11 @@ def main(model) -> None:
     mine = list(ours(fast, [ids], NEW)[0].tokens[len(ids):])
     theirs = llama_generate(llm, ids, NEW)
     same = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), len(mine))
+    theirs_t, mine_t = interleaved([lambda: llama_generate(llm, ids, NEW),
+                                    lambda: ours(fast, [ids], NEW)])
     report(f"greedy decode, batch 1, {NEW} new tokens (llama.cpp engine)", [
-        ("llama-cpp-python Llama.generate", best_of(lambda: llama_generate(llm, ids, NEW)), ""),
-        ("seqstate, llama.cpp engine", best_of(lambda: ours(fast, [ids], NEW)),
+        ("llama-cpp-python Llama.generate", theirs_t, ""),
+        ("seqstate, llama.cpp engine", mine_t,
          f"identical for the first {same} of {NEW} tokens"),
         ("seqstate, hf engine", best_of(lambda: ours(model, [ids], NEW), repeat=1), ""),
     ], "llama-cpp-python Llama.generate")

@@ -19,6 +19,21 @@ def best_of(fn: Callable[[], object], repeat: int = 3, warmup: int = 1) -> float
     return statistics.median(times)
 
 
+def interleaved(fns: list[Callable[[], object]], repeat: int = 7, warmup: int = 1) -> list[float]:
+    """Median wall time of each of ``fns``, timed in turns (A B A B ...) so that a machine
+    getting faster or slower over the run (other processes, clocks) affects every one alike."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, out in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
 def report(title: str, rows: list[tuple[str, float, str]], baseline: str) -> None:
     """Print ``(name, seconds, note)`` rows with each one's speed relative to ``baseline``."""
     base = dict((n, t) for n, t, _ in rows)[baseline]

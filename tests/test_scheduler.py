@@ -171,3 +171,23 @@ def test_a_hook_that_calls_a_generator_runs_it_inline(tiny):
 def test_unknown_engine_is_an_argument_error():
     with pytest.raises(ss.ArgumentError, match="engine"):
         ss.models.default(engine="vllm")
+
+
+@pytest.mark.llamacpp
+def test_llamacpp_worker_runs_torch_single_threaded_and_leaves_other_threads_alone(llama, tiny):
+    import torch
+
+    def threads_seen_by_hook(model):
+        seen = []
+        ss.text(model)("Hi", max_tokens=1, hooks=[lambda e: seen.append(torch.get_num_threads())])
+        return seen[0]
+
+    before = torch.get_num_threads()
+    assert threads_seen_by_hook(llama) == 1          # the step runs on the worker thread
+    assert torch.get_num_threads() == before         # this thread is untouched
+    later = []
+    t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert later == [before]                         # and so are threads started later
+    assert threads_seen_by_hook(tiny) == before      # the HF engine keeps torch's threads

@@ -36,6 +36,10 @@ class Capabilities:
     batching: several rows run in one forward.
     exact: logits equal a fresh fp32 evaluation to fp32 noise (the exactness reference).
     max_rows: most working rows one batch can hold at once (None: no fixed limit).
+    own_threads: the engine computes on CPU threads of its own, so the sampling step (torch
+        ops over a few rows of logits) runs single-threaded on the scheduler's worker instead
+        of waking torch's thread team to compete with the engine's (measured on 2 cores:
+        llama.cpp decode 10-20% slower per token with torch's team spinning beside it).
     """
 
     name: str
@@ -44,6 +48,7 @@ class Capabilities:
     batching: bool = True
     exact: bool = False
     max_rows: int | None = None
+    own_threads: bool = False
 
 
 @runtime_checkable

@@ -15,6 +15,7 @@ KeyboardInterrupt while waiting) cancels its job, and the others go on.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import queue
 import threading
 import weakref
@@ -124,6 +125,8 @@ class Scheduler:
 
     # -- the worker ---------------------------------------------------------------------------
     def _serve(self) -> None:
+        if self.model.backend.capabilities.own_threads:
+            _single_threaded_torch()
         batch = self.model.backend.batch()
         active: list[Job] = []
         while True:
@@ -174,6 +177,20 @@ class Scheduler:
                 except BaseException as exc:      # noqa: BLE001 - fails this job alone
                     job.fail(batch, exc)
             return still
+
+
+def _single_threaded_torch() -> None:
+    """Make torch's ops on this thread alone single-threaded.
+
+    ``torch.set_num_threads`` would change every thread started later too; OpenMP's own
+    ``omp_set_num_threads`` sets the calling thread's team size only.  torch sets it once per
+    thread, lazily, so that happens first.  A torch without OpenMP is left as it is.
+    """
+    torch.get_num_threads()
+    try:
+        ctypes.CDLL(None).omp_set_num_threads(1)
+    except (AttributeError, OSError):
+        pass
 
 
 def _stop(ref: weakref.ref) -> None:

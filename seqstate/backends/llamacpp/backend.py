@@ -129,7 +129,8 @@ class LlamaCppBackend:
                 f"(now {n_seq_max}, at most 256)")
         self.store = SeqStore(self._llama, range(_SCRATCH_SEQ + 1, n_seq_max), hint)
         self.capabilities = Capabilities(name="llama.cpp", full_logits=True, prefix_sharing=True,
-                                         batching=True, exact=False, max_rows=n_seq_max - 2)
+                                         batching=True, exact=False, max_rows=n_seq_max - 2,
+                                         own_threads=True)
         self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens_reused": 0,
                          "forward_calls": 0}
         self.lock = threading.RLock()
