@@ -3,17 +3,19 @@
 from seqstate import backends, constraints, engine, grammars, hooks, kv, models, sampling, viz
 from seqstate.continuous import (Generator, cfg, choice, continuous, final_state, json, regex,
                                  text)
-from seqstate.errors import (ArgumentError, BatchMismatch, ConstraintError, ContextOverflowError, HookError,
-                             ModelMismatch, ModelNotAvailable, SampleMismatch, SeqStateError,
-                             SlicingError)
+from seqstate.chat import chat
+from seqstate.errors import (ArgumentError, BatchMismatch, ChatTemplateError, ConstraintError,
+                             ContextOverflowError, HookError, ModelMismatch, ModelNotAvailable,
+                             SampleMismatch, SeqStateError, SlicingError)
 from seqstate.batch import BatchError, run_batch
 from seqstate.sampling import beam_search, greedy, multinomial
 from seqstate.state import SequenceState, from_tokens
 
 __all__ = [
     "SequenceState", "from_tokens", "Generator", "text", "choice", "regex", "json", "cfg",
-    "continuous", "final_state", "run_batch", "BatchError", "greedy", "multinomial", "beam_search",
+    "continuous", "final_state", "chat", "run_batch", "BatchError", "greedy", "multinomial", "beam_search",
     "models", "backends", "engine", "kv", "sampling", "constraints", "grammars", "hooks", "viz",
     "SeqStateError", "SlicingError", "BatchMismatch", "SampleMismatch", "ModelMismatch",
     "ConstraintError", "ContextOverflowError", "ModelNotAvailable", "HookError", "ArgumentError",
+    "ChatTemplateError",
 ]

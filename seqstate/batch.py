@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from seqstate.errors import ArgumentError, SeqStateError
+from seqstate.progress import progress_bar, quiet_calls
 
 __all__ = ["run_batch", "BatchError"]
 
@@ -74,11 +74,12 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
     results: list[Any] = [None] * len(items)
     errors: dict[int, BaseException] = {}
     lock = threading.Lock()
-    bar = _progress_bar(len(items), progress)
+    bar = progress_bar(progress, len(items), "seqstate", "input", call=False)
 
     def one(i: int) -> None:
         try:
-            results[i] = program(items[i])
+            with quiet_calls():
+                results[i] = program(items[i])
         except Exception as exc:                 # noqa: BLE001 - reported per input
             with lock:
                 results[i] = exc
@@ -101,15 +102,3 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
     if errors and not return_exceptions:
         raise BatchError(results, errors)
     return results
-
-
-def _progress_bar(total: int, progress: bool | None):
-    import os
-
-    if progress is None:
-        progress = sys.stderr.isatty() and os.environ.get("SEQSTATE_PROGRESS", "1") != "0"
-    if not progress or total == 0:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="seqstate", unit="input")

@@ -16,7 +16,10 @@ from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS
 from seqstate.errors import ArgumentError
 from seqstate.sampling.params import Greedy, Sampler, _is_int
 
-__all__ = ["Call"]
+__all__ = ["Call", "DEFAULT_MAX_TOKENS", "MAX_CONSTRAINED_TOKENS"]
+
+DEFAULT_MAX_TOKENS = 256         # free text: new tokens per row when max_tokens is not given
+MAX_CONSTRAINED_TOKENS = 4096    # a constrained call runs to completion, but no further
 
 # keywords users bring from Hugging Face, SGLang, vLLM and outlines, and seqstate's spelling
 _OTHER_SPELLINGS = {
@@ -57,14 +60,16 @@ class Call:
     hooks: Sequence[Callable] = ()
     token_healing: bool = False
     max_backtracks: int = DEFAULT_MAX_BACKTRACKS
+    name: str | None = None
+    progress: bool | None = None
 
     @classmethod
-    def of(cls, kwargs: Mapping[str, Any]) -> Call:
-        """A call from user keywords; an unknown keyword names seqstate's spelling of it."""
+    def of(cls, kwargs: Mapping[str, Any], unknown: Mapping[str, Any] = {}) -> Call:
+        """A call from user keywords (``kwargs`` may hold other names, e.g. a method's
+        ``locals()``: only the call's own are taken); a keyword in ``unknown`` is an error
+        that names seqstate's spelling of it."""
         known = {f.name for f in dataclasses.fields(cls)}
-        for name in kwargs:
-            if name in known:
-                continue
+        for name in unknown:
             hint = _OTHER_SPELLINGS.get(name)
             if hint is None:
                 close = difflib.get_close_matches(name, known, n=1)
@@ -72,7 +77,7 @@ class Call:
             raise ArgumentError(f"unknown keyword {name!r}"
                                 + (f"; seqstate spells it {hint}" if hint else "")
                                 + f". A generator call takes: {', '.join(sorted(known))}")
-        return cls(**kwargs)
+        return cls(**{k: v for k, v in kwargs.items() if k in known})
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and not (_is_int(self.max_tokens) and self.max_tokens > 0):
@@ -99,6 +104,10 @@ class Call:
             raise ArgumentError(f"hooks must be callables taking a SampleEvent, got {self.hooks!r}")
         if not isinstance(self.token_healing, bool):
             raise ArgumentError(f"token_healing must be True or False, got {self.token_healing!r}")
+        if self.name is not None and not (isinstance(self.name, str) and self.name):
+            raise ArgumentError(f"name must be a non-empty str (the capture's name), got {self.name!r}")
+        if self.progress is not None and not isinstance(self.progress, bool):
+            raise ArgumentError(f"progress must be True, False or None (automatic), got {self.progress!r}")
         stops = self._stop_list()
         if not all(isinstance(s, str) and s for s in stops):
             raise ArgumentError(f"stop_at must be a non-empty str or a list of them, got {self.stop_at!r}")
@@ -119,6 +128,10 @@ class Call:
 
     @property
     def stops(self) -> StopMatcher | None:
+        if self.name is not None and not (isinstance(self.name, str) and self.name):
+            raise ArgumentError(f"name must be a non-empty str (the capture's name), got {self.name!r}")
+        if self.progress is not None and not isinstance(self.progress, bool):
+            raise ArgumentError(f"progress must be True, False or None (automatic), got {self.progress!r}")
         stops = self._stop_list()
         return StopMatcher(stops) if stops else None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import inspect
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 
-from seqstate.call import Call
+from seqstate.call import DEFAULT_MAX_TOKENS, MAX_CONSTRAINED_TOKENS, Call
 from seqstate.constraints import compile as compiled
 from seqstate.constraints.healing import HealingCursor, heal_span
 from seqstate.constraints.regex import RegexConstraint
@@ -25,12 +26,54 @@ from seqstate.engine import RowRequest, RowResult, run
 from seqstate.errors import ConstraintError, ContextOverflowError, ModelMismatch, SampleMismatch
 from seqstate.models.base import BaseModel as Model
 from seqstate.engine.beam import beam_run
-from seqstate.sampling.params import BeamSearch
+from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS
+from seqstate.progress import progress_bar
+from seqstate.sampling.params import BeamSearch, Greedy, Sampler
 from seqstate.state import Row, SequenceState, Span
 
 __all__ = ["Generator", "text", "choice", "regex", "json", "cfg", "continuous", "final_state"]
 
 Prompt = str | Sequence[str] | SequenceState
+
+_CALL_PARAMETERS = f"""
+Parameters
+----------
+max_tokens : int or None, default None
+    Most new tokens per row.  None: {DEFAULT_MAX_TOKENS} for free text; a constrained call
+    runs until its constraint completes, bounded by {MAX_CONSTRAINED_TOKENS} tokens (and the
+    context).  A row that reaches the bound finishes with ``"max_tokens"``.
+stop_at : str, list of str or None, default None
+    Stop a row right after one of these appears in its new text (the state's text keeps
+    it; ``value`` does not).
+num_samples : int or None, default None
+    Fork each batch item into this many samples; None keeps the state's samples.
+sampler : Sampler, default ss.greedy()
+    ``ss.greedy()``, ``ss.multinomial(...)`` or ``ss.beam_search(width)``.
+seed : int or None, default None
+    Seed of this call's own random generator (sampled calls are reproducible).
+rng : torch.Generator or None, default None
+    A generator to draw from instead of ``seed``.
+hooks : list of callables, default ()
+    Post-sampling hooks, called with a ``SampleEvent`` per sampled token (see ``ss.hooks``).
+token_healing : bool, default False
+    Back up the prompt's last tokens and let the call re-spell them.
+max_backtracks : int, default {DEFAULT_MAX_BACKTRACKS}
+    Most rollbacks hooks may ask for per row before it finishes with ``"max_backtracks"``.
+name : str or None, default None
+    Record this call's value as a named capture: ``state[name]``.
+progress : bool or None, default None
+    A progress bar on standard error: None shows one when it is a terminal and the call
+    runs longer than 2 s (``SEQSTATE_PROGRESS=0`` turns it off); True always; False never.
+
+Any other keyword is an ``ss.ArgumentError`` naming seqstate's spelling of it
+(``max_new_tokens`` -> ``max_tokens``, ``temperature`` -> ``ss.multinomial(temperature=...)``).
+"""
+
+
+def _documented(method: Callable) -> Callable:
+    """Append the call keywords' reference to a call method's docstring."""
+    method.__doc__ = inspect.cleandoc(method.__doc__ or "") + "\n" + _CALL_PARAMETERS
+    return method
 
 
 class Generator:
@@ -79,22 +122,23 @@ class Generator:
 
     @staticmethod
     def _fork(state: SequenceState, k: int | None) -> SequenceState:
-        if k is None or k == state.samples:
+        if k is None or k == state.n_samples:
             return state
-        if state.samples != 1:
-            raise SampleMismatch(f"num_samples={k} asked of a state with {state.samples} samples; "
-                                 f"pass num_samples=None (or {state.samples}) to continue each sample, "
+        if state.n_samples != 1:
+            raise SampleMismatch(f"num_samples={k} asked of a state with {state.n_samples} samples; "
+                                 f"pass num_samples=None (or {state.n_samples}) to continue each sample, "
                                  "or slice one sample first (state[:, 0, :])")
         rows = [r for r in state.rows for _ in range(k)]
-        return SequenceState(state.model, tuple(rows), state.batch, k)
+        return SequenceState(state.model, tuple(rows), state.n_batch, k)
 
     def _requests(self, state: SequenceState, call: Call, cursors: list,
                   healed: Sequence[str] | None = None) -> list[RowRequest]:
         ctx = self.model.context_length
         reqs = []
+        default = DEFAULT_MAX_TOKENS if self.constraint is None else MAX_CONSTRAINED_TOKENS
         for r, cursor, removed in zip(state.rows, cursors, healed or [""] * len(cursors)):
             room = ctx - len(r.tokens)
-            want = call.max_tokens if call.max_tokens is not None else room
+            want = call.max_tokens if call.max_tokens is not None else min(default, room)
             if want > room or room <= 0:
                 raise ContextOverflowError(
                     f"a row of {len(r.tokens)} tokens plus max_tokens={call.max_tokens} exceeds the "
@@ -160,10 +204,11 @@ class Generator:
             cursors.append(cursor)
             span_starts.append(start)
             healed.append(removed)
-        state = SequenceState(self.model, tuple(rows), state.batch, state.samples)
+        state = SequenceState(self.model, tuple(rows), state.n_batch, state.n_samples)
         return state, self._requests(state, call, cursors, healed), span_starts, healed
 
-    def _row(self, old: Row, res: RowResult, span_start: int | None, healed: str) -> Row:
+    def _row(self, old: Row, res: RowResult, span_start: int | None, healed: str,
+             name: str | None) -> Row:
         cursor = res.cursors[-1] if res.cursors else None
         start = res.start if span_start is None else span_start
         # a resumed span's text runs from where the span began; res.text excludes a stop string
@@ -183,9 +228,11 @@ class Generator:
         else:
             value = None
         spans = old.spans if span_start is None else old.spans[:-1]
-        span = Span(start, len(res.tokens), self, reason, value)
+        if name is None and span_start is not None and old.spans:
+            name = old.spans[-1].name                  # a resumed call keeps its capture
+        span = Span(start, len(res.tokens), self, reason, value, name=name)
         return Row(res.tokens, res.handle, old.logprobs + res.logprobs, old.cursors + res.cursors,
-                   spans + (span,))
+                   spans + (span,), old.chat)
 
     def _parse(self, cursor, text: str) -> Any:
         constraint = getattr(cursor, "constraint", None) or self.constraint
@@ -195,24 +242,54 @@ class Generator:
             return None
 
     # -- calls --------------------------------------------------------------------------------
-    def __call__(self, prompt: Prompt, **kwargs: Any) -> SequenceState:
-        """Generate from ``prompt``.
+    # Every call method spells out the keywords (for help() and IDEs); ``Call`` validates them.
+    @_documented
+    def __call__(self, prompt: Prompt, *, max_tokens: int | None = None,
+                 stop_at: str | Sequence[str] | None = None, num_samples: int | None = None,
+                 sampler: Sampler = Greedy(), seed: int | None = None,
+                 rng: torch.Generator | None = None, hooks: Sequence[Callable] = (),
+                 token_healing: bool = False, max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
+                 name: str | None = None, progress: bool | None = None,
+                 **unknown: Any) -> SequenceState:
+        """Generate from ``prompt`` (a str, a list of str, one per batch item, or a state);
+        returns the new state."""
+        call = Call.of(locals(), unknown)
+        return final_state(self._stream(prompt, call, resume=False, chunks=False))
 
-        Keywords: ``max_tokens``, ``stop_at``, ``num_samples``, ``sampler``, ``seed``, ``rng``,
-        ``hooks``, ``token_healing``, ``max_backtracks``.
-        """
-        return final_state(self._stream(prompt, kwargs, resume=False, chunks=False))
-
-    async def acall(self, prompt: Prompt, **kwargs: Any) -> SequenceState:
+    @_documented
+    async def acall(self, prompt: Prompt, *, max_tokens: int | None = None,
+                    stop_at: str | Sequence[str] | None = None, num_samples: int | None = None,
+                    sampler: Sampler = Greedy(), seed: int | None = None,
+                    rng: torch.Generator | None = None, hooks: Sequence[Callable] = (),
+                    token_healing: bool = False, max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
+                    name: str | None = None, progress: bool | None = None,
+                    **unknown: Any) -> SequenceState:
         """``await gen.acall(...)``: the same call from an event loop (it runs on a worker
-        thread, so concurrent ``acall``\ s share decode steps like threads do)."""
-        return await asyncio.to_thread(self.__call__, prompt, **kwargs)
+        thread, so concurrent ``acall``\\ s share decode steps like threads do)."""
+        call = Call.of(locals(), unknown)
+        return await asyncio.to_thread(
+            lambda: final_state(self._stream(prompt, call, resume=False, chunks=False)))
 
-    def resume(self, state: SequenceState, **kwargs: Any) -> SequenceState:
+    @_documented
+    def resume(self, state: SequenceState, *, max_tokens: int | None = None,
+               stop_at: str | Sequence[str] | None = None, num_samples: int | None = None,
+               sampler: Sampler = Greedy(), seed: int | None = None,
+               rng: torch.Generator | None = None, hooks: Sequence[Callable] = (),
+               token_healing: bool = False, max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
+               name: str | None = None, progress: bool | None = None,
+               **unknown: Any) -> SequenceState:
         """Continue each row's last generator call exactly where the (sliced) state stands."""
-        return final_state(self._stream(state, kwargs, resume=True, chunks=False))
+        call = Call.of(locals(), unknown)
+        return final_state(self._stream(state, call, resume=True, chunks=False))
 
-    def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[Any]:
+    @_documented
+    def stream(self, prompt: Prompt, *, max_tokens: int | None = None,
+               stop_at: str | Sequence[str] | None = None, num_samples: int | None = None,
+               sampler: Sampler = Greedy(), seed: int | None = None,
+               rng: torch.Generator | None = None, hooks: Sequence[Callable] = (),
+               token_healing: bool = False, max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
+               name: str | None = None, progress: bool | None = None,
+               **unknown: Any) -> Iterator[Any]:
         """Yield generated text as it is produced; the iterator's return value is the final state.
 
         Chunks never split a character and never contain text that may still turn out to be the
@@ -221,7 +298,8 @@ class Generator:
         A 1x1 state yields ``str`` chunks, a larger one ``(batch, sample, str)`` tuples.
         :func:`final_state` drains the iterator and returns the state.
         """
-        return self._stream(prompt, kwargs, resume=False)
+        call = Call.of(locals(), unknown)
+        return self._stream(prompt, call, resume=False)
 
     def _beam(self, prompt: Prompt, call: Call, resume: bool) -> SequenceState:
         """Beam search over each batch item's samples; returns up to ``width`` samples each."""
@@ -234,10 +312,10 @@ class Generator:
         state, requests, span_starts, healed = self._prepare(
             prompt, dataclasses.replace(call, num_samples=None), resume)
         groups = []
-        for b in range(state.batch):
+        for b in range(state.n_batch):
             beams, seen = [], set()
-            for s in range(state.samples):
-                i = b * state.samples + s
+            for s in range(state.n_samples):
+                i = b * state.n_samples + s
                 row = state.rows[i]
                 if row.tokens in seen:
                     continue
@@ -253,24 +331,40 @@ class Generator:
         for beams, found in zip(groups, results):
             for res, _, origin in found[:samples]:
                 i = beams[origin][3]
-                rows.append(self._row(state.rows[i], res, span_starts[i], healed[i]))
-        return SequenceState(self.model, tuple(rows), state.batch, samples)
+                rows.append(self._row(state.rows[i], res, span_starts[i], healed[i], call.name))
+        return SequenceState(self.model, tuple(rows), state.n_batch, samples)
 
-    def _stream(self, prompt: Prompt, kwargs: dict, resume: bool, chunks: bool = True):
-        call = Call.of(kwargs)
+    def _stream(self, prompt: Prompt, call: Call, resume: bool, chunks: bool = True):
         if isinstance(call.sampler, BeamSearch):
             return self._beam(prompt, call, resume)       # streams nothing until it is done
         state, requests, span_starts, healed = self._prepare(prompt, call, resume)
-        # a call that is not streamed hears from the worker once, when it is done
+        # a call that is not streamed hears from the worker once, when it is done; a progress
+        # bar is updated on the worker
+        bar = progress_bar(call.progress, sum(r.max_new for r in requests), self.name, "tok")
         observe = _Chunks(state, [len(h) for h in healed], call) if chunks else _nothing
-        results = yield from run(self.model, requests, call.sampler, call.generator(), call.hooks,
-                                 call.max_backtracks, observe)
-        rows = [self._row(r, res, st, h) for r, res, st, h in zip(state.rows, results, span_starts, healed)]
-        return SequenceState(self.model, tuple(rows), state.batch, state.samples)
+        if bar is not None:
+            observe = _counting(observe, bar)
+        try:
+            results = yield from run(self.model, requests, call.sampler, call.generator(),
+                                     call.hooks, call.max_backtracks, observe)
+        finally:
+            if bar is not None:
+                bar.close()
+        rows = [self._row(r, res, st, h, call.name)
+                for r, res, st, h in zip(state.rows, results, span_starts, healed)]
+        return SequenceState(self.model, tuple(rows), state.n_batch, state.n_samples)
 
 
 def _nothing(rows) -> tuple:
     return ()
+
+
+def _counting(observe: Callable, bar: Any) -> Callable:
+    """``observe`` that also moves the progress bar to the rows' generated tokens."""
+    def both(rows):
+        bar.update(sum(len(r.generated) for r in rows) - bar.n)
+        return observe(rows)
+    return both
 
 
 class _Chunks:
@@ -278,7 +372,7 @@ class _Chunks:
     still take back.  Runs on the scheduler's worker after every step of the call."""
 
     def __init__(self, state: SequenceState, healed: list[int], call: Call) -> None:
-        self.samples, self.single = state.samples, len(state.rows) == 1
+        self.samples, self.single = state.n_samples, len(state.rows) == 1
         self.healed, self.stops, self.hooks = healed, call.stops, bool(call.hooks)
         self.hold = _rollback_reach(call.hooks)
         self.emitted = [0] * len(state.rows)
@@ -343,8 +437,7 @@ class ScoredChoice(Generator):
         self.option_ids = [model.encode(t) for t in self.texts]
         self.length_normalize = length_normalize
 
-    def _stream(self, prompt: Prompt, kwargs: dict, resume: bool, chunks: bool = True):
-        call = Call.of(kwargs)
+    def _stream(self, prompt: Prompt, call: Call, resume: bool, chunks: bool = True):
         if resume:
             raise ValueError("a scored choice has nothing to resume; call it again instead")
         state = self._fork(self._state(prompt), call.num_samples)
@@ -358,11 +451,11 @@ class ScoredChoice(Generator):
             best = max(range(len(self.texts)), key=lambda j: scores[self.texts[j]])
             lps, handle = per_option[best]
             span = Span(len(row.tokens), len(row.tokens) + len(lps), self, "scored",
-                        self.values[best], scores)
+                        self.values[best], scores, call.name)
             rows.append(Row(row.tokens + tuple(self.option_ids[best]), handle,
                             row.logprobs + tuple(lps), row.cursors + (None,) * len(lps),
-                            row.spans + (span,)))
-        return SequenceState(self.model, tuple(rows), state.batch, state.samples)
+                            row.spans + (span,), row.chat))
+        return SequenceState(self.model, tuple(rows), state.n_batch, state.n_samples)
         yield  # a generator function, like Generator._stream: scoring streams nothing
 
 

@@ -15,6 +15,7 @@ __all__ = [
     "ConstraintError",
     "ContextOverflowError",
     "ModelNotAvailable",
+    "ChatTemplateError",
     "HookError",
     "ArgumentError",
 ]
@@ -26,6 +27,11 @@ class SeqStateError(Exception):
 
 class SlicingError(SeqStateError, IndexError):
     """A key that cannot be applied to a state, or a strict slice that cannot keep its KV."""
+
+
+class ChatTemplateError(SeqStateError, ValueError):
+    """A chat turn that cannot be rendered: no chat template, a state that is not a
+    conversation, or a template that rewrites earlier turns when a new one follows."""
 
 
 class BatchMismatch(SeqStateError, ValueError):

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import html
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from seqstate.chat import Chat
 from seqstate.constraints.base import Cursor
 from seqstate.errors import BatchMismatch, ModelMismatch, SlicingError
 from seqstate.indexing import is_prefix, normalize, token_positions
 from seqstate.kv.store import KVHandle
 
-__all__ = ["SequenceState", "Row", "Span", "from_tokens"]
+__all__ = ["SequenceState", "Row", "Span", "Axis", "TokenAxis", "Captures", "from_tokens"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -27,6 +28,7 @@ class Span:
     finish_reason: str
     value: Any
     scores: dict[str, float] | None = None      # option scoring: every option's score
+    name: str | None = None                     # the call's ``name=``: a capture
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -38,6 +40,7 @@ class Row:
     logprobs: tuple[float | None, ...]
     cursors: tuple[Cursor | None, ...]
     spans: tuple[Span, ...] = ()
+    chat: Chat | None = None
 
     @property
     def last_span(self) -> Span | None:
@@ -59,10 +62,14 @@ class Row:
                     continue
                 cut = dataclasses.replace(span, start=max(span.start, lo) - lo, end=min(span.end, hi) - lo)
                 if cut.end - cut.start != span.end - span.start:
-                    # a span cut short no longer carries its value: it is a different text now
-                    cut = dataclasses.replace(cut, value=None, finish_reason="sliced")
+                    # a span cut short no longer carries its value (nor its capture): it is a
+                    # different text now
+                    cut = dataclasses.replace(cut, value=None, finish_reason="sliced", name=None)
                 spans.append(cut)
-        return Row(toks, handle, lps, curs, tuple(spans))
+        chat = None
+        if positions.step == 1 and positions.start == 0 and self.chat is not None:
+            chat = self.chat.prefix(len(toks))
+        return Row(toks, handle, lps, curs, tuple(spans), chat)
 
     def extended(self, tokens: Sequence[int], logprobs: Sequence[float | None] | None = None,
                  cursors: Sequence[Cursor | None] | None = None, spans: Sequence[Span] = ()) -> Row:
@@ -72,7 +79,7 @@ class Row:
                    self.logprobs + tuple(logprobs if logprobs is not None else [None] * n),
                    self.cursors + tuple(cursors if cursors is not None else [None] * n),
                    self.spans + tuple(dataclasses.replace(s, start=s.start + shift, end=s.end + shift)
-                                      for s in spans))
+                                      for s in spans), self.chat)
 
 
 def _nested(flat: list, batch: int, samples: int) -> list[list]:
@@ -83,34 +90,65 @@ def _nested(flat: list, batch: int, samples: int) -> list[list]:
 class SequenceState:
     """An immutable batch of token sequences, ``(batch, samples)`` rows, with their KV.
 
-    Build one with a generator (``ss.text(model)("prompt")``) or :func:`from_tokens`.  Every
-    operation returns a new state; the KV of shared prefixes is shared, never copied.
+    Build one with a generator (``ss.text(model)("prompt")``), :func:`from_tokens` or
+    ``ss.chat(model)``.  Every operation returns a new state; the KV of shared prefixes is
+    shared, never copied.
+
+    Attributes
+    ----------
+    model
+        The model the state's tokens belong to.
+    rows
+        The ``batch * samples`` rows, batch-major.
+    batch, samples
+        The sizes of the two row axes (ints).  Indexed, each is also a named-axis accessor:
+        ``state.batch[0]`` and ``state.samples[1:3]`` select on that axis whatever the shape.
+    tokens
+        The token axis accessor: ``state.tokens[:-3]`` drops each row's last 3 tokens on
+        every shape (``state[:-3]`` on a 1x4 state drops *samples*; see the indexing rules).
 
     Examples
     --------
     >>> import seqstate as ss
     >>> model = ss.models.testing.tiny()
     >>> s = ss.from_tokens(model, [model.encode("Hello world")])
-    >>> s.shape, str(s), str(s[:1])
+    >>> s.shape, str(s), str(s.tokens[:1])
     ((1, 1), 'Hello world', 'Hello')
     """
 
     model: Any
     rows: tuple[Row, ...]
-    batch: int
-    samples: int
+    n_batch: int
+    n_samples: int
 
     def __post_init__(self) -> None:
-        if len(self.rows) != self.batch * self.samples:
-            raise ValueError(f"{len(self.rows)} rows do not make a {self.batch}x{self.samples} state")
+        if len(self.rows) != self.n_batch * self.n_samples:
+            raise ValueError(f"{len(self.rows)} rows do not make a {self.n_batch}x{self.n_samples} state")
 
     # -- shape and contents -------------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.batch, self.samples)
+        """``(batch, samples)``."""
+        return (self.n_batch, self.n_samples)
+
+    @property
+    def batch(self) -> Axis:
+        """The number of batch items; ``state.batch[key]`` selects batch items (``state[key, :, :]``)."""
+        return Axis(self.n_batch, self, 0)
+
+    @property
+    def samples(self) -> Axis:
+        """Samples per batch item; ``state.samples[key]`` selects samples (``state[:, key, :]``)."""
+        return Axis(self.n_samples, self, 1)
+
+    @property
+    def tokens(self) -> TokenAxis:
+        """``state.tokens[key]`` indexes every row's tokens (``state[:, :, key]``)."""
+        return TokenAxis(self)
 
     def row(self, b: int, s: int) -> Row:
-        return self.rows[b * self.samples + s]
+        """The row of batch item ``b``, sample ``s``."""
+        return self.rows[b * self.n_samples + s]
 
     def _text(self, row: Row) -> str:
         return self.model.vocab.decode(row.tokens)
@@ -118,25 +156,31 @@ class SequenceState:
     @property
     def texts(self) -> list[list[str]]:
         """Full texts, nested ``[batch][sample]``."""
-        return _nested([self._text(r) for r in self.rows], self.batch, self.samples)
+        return _nested([self._text(r) for r in self.rows], self.n_batch, self.n_samples)
 
     @property
     def token_ids(self) -> list[list[list[int]]]:
-        return _nested([list(r.tokens) for r in self.rows], self.batch, self.samples)
+        return _nested([list(r.tokens) for r in self.rows], self.n_batch, self.n_samples)
 
     @property
     def logprobs(self) -> list[list[list[float | None]]]:
         """Per token log-probs; None where the model did not generate the token."""
-        return _nested([list(r.logprobs) for r in self.rows], self.batch, self.samples)
+        return _nested([list(r.logprobs) for r in self.rows], self.n_batch, self.n_samples)
 
     @property
     def weights(self) -> torch.Tensor:
         """(batch, samples) sums of the log-probs of generated tokens."""
         flat = [sum(lp for lp in r.logprobs if lp is not None) for r in self.rows]
-        return torch.tensor(flat, dtype=torch.float64).reshape(self.batch, self.samples)
+        return torch.tensor(flat, dtype=torch.float64).reshape(self.n_batch, self.n_samples)
 
     def _per_row(self, values: list) -> Any:
-        return values[0] if len(values) == 1 else _nested(values, self.batch, self.samples)
+        return values[0] if len(values) == 1 else _nested(values, self.n_batch, self.n_samples)
+
+    @property
+    def captures(self) -> Captures:
+        """Named calls' values: ``state.captures["answer"]`` (also ``state["answer"]``), per row
+        like :attr:`value`; ``None`` for a row without that capture."""
+        return Captures(self)
 
     @property
     def value(self) -> Any:
@@ -177,7 +221,7 @@ class SequenceState:
         for i, r in enumerate(self.rows[:8]):
             text = self._text(r)
             preview = text if len(text) <= 60 else text[:25] + " ... " + text[-30:]
-            lines.append(f"  [{i // self.samples},{i % self.samples}] {len(r.tokens):4d} tok  {preview!r}")
+            lines.append(f"  [{i // self.n_samples},{i % self.n_samples}] {len(r.tokens):4d} tok  {preview!r}")
         if len(self.rows) > 8:
             lines.append(f"  ... {len(self.rows) - 8} more rows")
         return "\n".join(lines) + ")"
@@ -194,12 +238,16 @@ class SequenceState:
                     p = min(1.0, max(0.0, float(torch.tensor(lp).exp())))
                     cells.append(f"<span title='logprob {lp:.3f}' style='background:"
                                  f"hsl({int(120 * p)},80%,85%)'>{piece}</span>")
-            rows.append(f"<div><b>[{i // self.samples},{i % self.samples}]</b> "
+            rows.append(f"<div><b>[{i // self.n_samples},{i % self.n_samples}]</b> "
                         f"<span style='white-space:pre-wrap;font-family:monospace'>{''.join(cells)}</span></div>")
         return f"<div class='seqstate'><i>SequenceState {self.shape}</i>{''.join(rows)}</div>"
 
     # -- indexing -----------------------------------------------------------------------------
-    def __getitem__(self, key: Any) -> SequenceState:
+    def __getitem__(self, key: Any) -> Any:
+        """``state[batch, sample, token]`` (see the indexing rules), or ``state["name"]``: the
+        named capture's value per row."""
+        if isinstance(key, str):
+            return self.captures[key]
         return self.slice(key)
 
     def slice(self, key: Any, *, strict: bool = False) -> SequenceState:
@@ -215,6 +263,11 @@ class SequenceState:
                 row = self.row(b, s)
                 rows.append(row.select(token_positions(sel.token, len(row.tokens), self.shape), prefix))
         return SequenceState(self.model, tuple(rows), len(sel.batch), len(sel.samples))
+
+    def _axis(self, axis: int, key: Any, strict: bool = False) -> SequenceState:
+        full = [slice(None)] * 3
+        full[axis] = key
+        return self.slice(tuple(full), strict=strict)
 
     @property
     def chars(self) -> _Chars:
@@ -234,13 +287,13 @@ class SequenceState:
             return _concat(self, other)
         if isinstance(other, (list, tuple)) and all(isinstance(t, str) for t in other):
             n = len(other)
-            if n == self.batch:
-                per_row = [other[i // self.samples] for i in range(len(self.rows))]
+            if n == self.n_batch:
+                per_row = [other[i // self.n_samples] for i in range(len(self.rows))]
             elif n == len(self.rows):
                 per_row = list(other)
             else:
                 raise BatchMismatch(f"cannot add {n} strings to a state of shape {self.shape}: give "
-                                    f"{self.batch} (one per batch item) or {len(self.rows)} (one per row)")
+                                    f"{self.n_batch} (one per batch item) or {len(self.rows)} (one per row)")
             return self._with_rows([r.extended(t) for r, t in zip(self.rows, self._encode_each(per_row))])
         return NotImplemented
 
@@ -254,7 +307,24 @@ class SequenceState:
 
     def _with_rows(self, rows: Sequence[Row], batch: int | None = None,
                    samples: int | None = None) -> SequenceState:
-        return SequenceState(self.model, tuple(rows), batch or self.batch, samples or self.samples)
+        return SequenceState(self.model, tuple(rows), batch or self.n_batch, samples or self.n_samples)
+
+    # -- chat ---------------------------------------------------------------------------------
+    def system(self, content: str | Sequence[str]) -> SequenceState:
+        """Append a system turn (the tokenizer's chat template renders it)."""
+        from seqstate.chat import add_turn
+        return add_turn(self, "system", content)
+
+    def user(self, content: str | Sequence[str]) -> SequenceState:
+        """Append a user turn and open the assistant's; only the new tokens are prefilled."""
+        from seqstate.chat import add_turn
+        return add_turn(self, "user", content)
+
+    def assistant(self, reply: Any, **call: Any) -> SequenceState:
+        """The assistant's turn: ``reply`` is its text (a str, or one per batch item) or a
+        generator, called on the state with ``call``'s keywords (``name=`` captures it)."""
+        from seqstate.chat import add_reply
+        return add_reply(self, reply, call)
 
 
 def _broadcast(a: int, b: int, axis: str, sa: tuple, sb: tuple) -> int:
@@ -269,15 +339,94 @@ def _broadcast(a: int, b: int, axis: str, sa: tuple, sb: tuple) -> int:
 def _concat(left: SequenceState, right: SequenceState) -> SequenceState:
     if left.model is not right.model:
         raise ModelMismatch(f"cannot concatenate a state of {left.model!r} with one of {right.model!r}")
-    batch = _broadcast(left.batch, right.batch, "batch", left.shape, right.shape)
-    samples = _broadcast(left.samples, right.samples, "sample", left.shape, right.shape)
+    batch = _broadcast(left.n_batch, right.n_batch, "batch", left.shape, right.shape)
+    samples = _broadcast(left.n_samples, right.n_samples, "sample", left.shape, right.shape)
     rows = []
     for b in range(batch):
         for s in range(samples):
-            lr = left.row(b % left.batch, s % left.samples)
-            rr = right.row(b % right.batch, s % right.samples)
+            lr = left.row(b % left.n_batch, s % left.n_samples)
+            rr = right.row(b % right.n_batch, s % right.n_samples)
             rows.append(lr.extended(rr.tokens, rr.logprobs, rr.cursors, rr.spans))
     return SequenceState(left.model, tuple(rows), batch, samples)
+
+
+class Axis(int):
+    """The size of a row axis that also indexes it: ``state.batch[0]``, ``state.samples[1:3]``.
+
+    An int key keeps the axis with size 1, as in ``state[key, :, :]``.
+    """
+
+    def __new__(cls, size: int, state: SequenceState, axis: int) -> Axis:
+        obj = super().__new__(cls, size)
+        obj.state, obj.axis = state, axis
+        return obj
+
+    def __getitem__(self, key: Any) -> SequenceState:
+        return self.state._axis(self.axis, key)
+
+    def slice(self, key: Any, *, strict: bool = False) -> SequenceState:
+        return self.state._axis(self.axis, key, strict)
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+    def __reduce__(self) -> tuple:
+        return (int, (int(self),))
+
+
+class TokenAxis:
+    """``state.tokens[key]``: every row's tokens, whatever the state's shape.
+
+    A prefix slice (``[:n]``, ``[:-k]``) keeps the KV and rolls the constraint state back;
+    ``state.tokens.slice(key, strict=True)`` refuses any other slice (its KV would be
+    recomputed) with a ``SlicingError``.
+    """
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: SequenceState) -> None:
+        self.state = state
+
+    def __getitem__(self, key: Any) -> SequenceState:
+        return self.state._axis(2, key)
+
+    def slice(self, key: Any, *, strict: bool = False) -> SequenceState:
+        return self.state._axis(2, key, strict)
+
+    def __len__(self) -> int:
+        """The longest row's length."""
+        return max((len(r.tokens) for r in self.state.rows), default=0)
+
+
+class Captures(Mapping):
+    """Named calls' values per row; a later call with the same name replaces an earlier one."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: SequenceState) -> None:
+        self.state = state
+
+    def _row(self, row: Row) -> dict[str, Any]:
+        return {span.name: span.value for span in row.spans if span.name is not None}
+
+    def __getitem__(self, name: str) -> Any:
+        found = [self._row(r) for r in self.state.rows]
+        if not any(name in f for f in found):
+            raise KeyError(f"no call named {name!r} in this state; named calls: "
+                           f"{sorted(self) or 'none'} (name one with gen(state, name=...))")
+        return self.state._per_row([f.get(name) for f in found])
+
+    def __iter__(self):
+        names: dict[str, None] = {}
+        for r in self.state.rows:
+            names.update(dict.fromkeys(self._row(r)))
+        return iter(names)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return f"Captures({dict(self)!r})"
 
 
 class _Chars:

@@ -75,7 +75,7 @@ class Tree:
                 return y
             x = depth * (_BOX_W + _GAP_X)
             fill = "#cfe3ff" if self._stored(node, prefix) else "#e6e6e6"
-            tags = " ".join(f"[{r // self.state.samples},{r % self.state.samples}]" for r in node.rows)
+            tags = " ".join(f"[{r // self.state.n_samples},{r % self.state.n_samples}]" for r in node.rows)
             boxes.append(
                 f'<rect x="{x}" y="{y}" width="{_BOX_W}" height="{_BOX_H}" rx="5" fill="{fill}" '
                 f'stroke="#456"/><text x="{x + 6}" y="{y + 14}" font-size="11" '

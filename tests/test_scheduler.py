@@ -191,3 +191,47 @@ def test_llamacpp_worker_runs_torch_single_threaded_and_leaves_other_threads_alo
     t.join()
     assert later == [before]                         # and so are threads started later
     assert threads_seen_by_hook(tiny) == before      # the HF engine keeps torch's threads
+
+
+class _Rows(ss.engine.scheduler.Job):
+    def __init__(self, rows):
+        super().__init__()
+        self.rows = rows
+
+    def needs(self):
+        return self.rows, 4
+
+    def joined(self, slots):
+        self.slots = slots
+
+
+class _FakeBatch:
+    def __init__(self, refuse):
+        self.adds, self.released, self.refuse, self.next = [], [], refuse, 0
+
+    def add(self, rows, extra):
+        if any(r == self.refuse for r in rows):
+            raise ss.ContextOverflowError("too long")
+        self.adds.append(list(rows))
+        self.next += len(rows)
+        return list(range(self.next - len(rows), self.next))
+
+    def release(self, slot):
+        self.released.append(slot)
+
+
+def test_newcomers_join_in_one_add_and_a_refused_one_fails_alone():
+    from seqstate.engine.scheduler import _admit
+
+    jobs = [_Rows([[1, 2], [1, 3]]), _Rows([[4]]), _Rows([[5, 6]])]
+    batch = _FakeBatch(refuse=None)
+    assert _admit(batch, jobs) == jobs
+    assert batch.adds == [[[1, 2], [1, 3], [4], [5, 6]]]          # one prefill for everyone
+    assert [j.slots for j in jobs] == [[0, 1], [2], [3]]
+
+    jobs = [_Rows([[1, 2]]), _Rows([[9, 9]]), _Rows([[5, 6]])]
+    batch = _FakeBatch(refuse=[9, 9])
+    assert _admit(batch, jobs) == [jobs[0], jobs[2]]
+    assert batch.adds == [[[1, 2]], [[5, 6]]]                     # retried one by one
+    kind, error = jobs[1].outbox.get_nowait()
+    assert kind == "error" and isinstance(error, ss.ContextOverflowError)

@@ -55,8 +55,9 @@ def test_list_is_batch_major(tiny):
 
 def test_state_is_frozen(tiny):
     s = ss.from_tokens(tiny, [[1, 2, 3]])
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        s.batch = 3
+    for field in ("rows", "n_batch", "model"):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(s, field, None)
 
 
 def test_weights_kept_on_text_and_summed_on_state(tiny):

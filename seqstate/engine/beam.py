@@ -53,10 +53,12 @@ class BeamJob(Job):
         self.finished: list[list[tuple[RowResult, float, int]]] = [[] for _ in groups]
         self.open_groups = set(range(len(groups)))
 
-    def start(self, batch) -> None:
+    def needs(self) -> tuple[list[Sequence[int]], int]:
         longest = max(req.max_new for _, req, _, _ in self.flat)
-        self.slots = batch.add([req.tokens for _, req, _, _ in self.flat],
-                               min(longest, FIRST_CAPACITY) + 1)
+        return [req.tokens for _, req, _, _ in self.flat], min(longest, FIRST_CAPACITY) + 1
+
+    def joined(self, slots: list[int]) -> None:
+        self.slots = list(slots)
         self.beams = []
         for i, ((g, req, w, n), slot) in enumerate(zip(self.flat, self.slots)):
             row = LiveRow(req, self.model.vocab, self.model.eos_token_ids)

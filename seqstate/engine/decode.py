@@ -49,9 +49,12 @@ class DecodeJob(Job):
         self.stepper = Stepper(model, requests, sampler, rng, hooks, max_backtracks, rows=self.rows)
         self.results: dict[int, RowResult] = {}
 
-    def start(self, batch) -> None:
+    def needs(self) -> tuple[list[Sequence[int]], int]:
         width = max(r.max_new for r in self.requests)
-        self.slots = batch.add([r.tokens for r in self.requests], min(width, FIRST_CAPACITY) + 1)
+        return [r.tokens for r in self.requests], min(width, FIRST_CAPACITY) + 1
+
+    def joined(self, slots: list[int]) -> None:
+        self.slots = list(slots)
         self.slot_of = dict(enumerate(self.slots))              # row index -> slot
 
     def wants(self) -> tuple[list[int], list[int]]:

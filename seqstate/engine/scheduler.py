@@ -40,9 +40,18 @@ class Job:
         self.cancelled = False
         self.slots: list[int] = []
 
-    def start(self, batch) -> None:
-        """Join ``batch``: add this job's rows (prefilling through the store)."""
+    def needs(self) -> tuple[list[Sequence[int]], int]:
+        """``(rows, extra)``: the rows to add to the batch and the tokens each may grow by."""
         raise NotImplementedError
+
+    def joined(self, slots: list[int]) -> None:
+        """This job's rows are in the batch, in ``slots`` (one per row of :meth:`needs`)."""
+        raise NotImplementedError
+
+    def start(self, batch) -> None:
+        """Join ``batch`` alone: add this job's rows (prefilling through the store)."""
+        rows, extra = self.needs()
+        self.joined(batch.add(rows, extra))
 
     def wants(self) -> tuple[list[int], list[int]]:
         """``(slots, tokens)`` to feed this step."""
@@ -144,12 +153,7 @@ class Scheduler:
     def _step(self, batch, active: list[Job], new: list[Job]) -> list[Job]:
         """Admit ``new``, run one forward for every active job, return the jobs still running."""
         with self.model.lock, torch.inference_mode():
-            for job in new:
-                try:
-                    job.start(batch)
-                    active.append(job)
-                except BaseException as exc:      # noqa: BLE001 - delivered to its caller
-                    job.fail(batch, exc)
+            active.extend(_admit(batch, new))
             running = []
             for job in active:
                 if job.cancelled:
@@ -177,6 +181,38 @@ class Scheduler:
                 except BaseException as exc:      # noqa: BLE001 - fails this job alone
                     job.fail(batch, exc)
             return still
+
+
+def _admit(batch, jobs: list[Job]) -> list[Job]:
+    """Add every newcomer's rows in one ``batch.add`` (one prefill for all of them, shared
+    prefixes once); if that fails, add them one by one so a failure is its own job's alone.
+    Returns the jobs that joined."""
+    if len(jobs) > 1:
+        try:
+            needs = [job.needs() for job in jobs]
+            slots = batch.add([r for rows, _ in needs for r in rows], max(e for _, e in needs))
+        except BaseException:                     # noqa: BLE001 - retried job by job below
+            pass
+        else:
+            joined, offset = [], 0
+            for job, (rows, _) in zip(jobs, needs):
+                mine = slots[offset: offset + len(rows)]
+                offset += len(rows)
+                try:
+                    job.joined(mine)
+                    joined.append(job)
+                except BaseException as exc:      # noqa: BLE001 - delivered to its caller
+                    job.slots = mine
+                    job.fail(batch, exc)
+            return joined
+    joined = []
+    for job in jobs:
+        try:
+            job.start(batch)
+            joined.append(job)
+        except BaseException as exc:              # noqa: BLE001 - delivered to its caller
+            job.fail(batch, exc)
+    return joined
 
 
 def _single_threaded_torch() -> None:

@@ -1,0 +1,185 @@
+"""Chat states: turns rendered by the tokenizer's own chat template, KV kept between turns.
+
+A chat row remembers its closed turns (role, content) and, while the assistant is speaking,
+where the open assistant turn's content begins.  A new turn renders the whole conversation
+with ``apply_chat_template`` and appends only what the rendering adds after the row's text:
+the row's tokens, KV, log-probs and captures stay, and only the new turn's tokens are
+prefilled at the next call.  The assistant's content is whatever the row holds after the
+opened turn (generated tokens, or text appended to it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from seqstate.errors import BatchMismatch, ChatTemplateError
+
+if TYPE_CHECKING:
+    from seqstate.state import Row, SequenceState
+
+__all__ = ["Chat", "chat", "add_turn", "add_reply"]
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Chat:
+    """A row's conversation: closed turns, where each ends, and the open assistant turn."""
+
+    messages: tuple[tuple[str, str], ...] = ()   # closed turns: (role, content)
+    ends: tuple[int, ...] = ()                  # the row's length after each closed turn
+    open_at: int | None = None                  # where the open assistant turn's content begins
+
+    def prefix(self, n: int) -> Chat | None:
+        """The conversation of the row's first ``n`` tokens; None where ``n`` cuts a turn's
+        markup (the row is then plain text, not a chat)."""
+        if self.open_at is not None and n >= self.open_at:
+            return self
+        if n == 0:
+            return Chat()
+        for k in range(len(self.ends), 0, -1):
+            if self.ends[k - 1] == n:
+                return Chat(self.messages[:k], self.ends[:k])
+        return None
+
+
+def chat(model: Any) -> SequenceState:
+    """An empty conversation on ``model``: continue it with ``.system()``, ``.user()`` and
+    ``.assistant()``, which render turns with the tokenizer's own chat template.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> model = ss.models.testing.tiny()
+    >>> s = ss.chat(model).system("You are terse.").user("Name a fruit.")
+    >>> s = s.assistant(ss.text(model), max_tokens=3, name="fruit")
+    >>> s.shape, isinstance(s["fruit"], str)
+    ((1, 1), True)
+    """
+    from seqstate.state import Row, SequenceState
+
+    _render(model, [], False)              # a model without a template fails here, not later
+    return SequenceState(model, (Row((), None, (), (), (), Chat()),), 1, 1)
+
+
+def _render(model: Any, messages: Sequence[tuple[str, str]], opened: bool) -> str:
+    tok = model.hf_tokenizer
+    if getattr(tok, "chat_template", None) is None:
+        raise ChatTemplateError(f"{model.name!r}'s tokenizer has no chat template, so seqstate "
+                                "cannot render turns; use an instruct/chat model, set "
+                                "hf_tokenizer.chat_template, or build prompts as text")
+    if not messages:
+        if opened:
+            raise ChatTemplateError("the assistant's turn needs a turn before it: add "
+                                    ".system(...) or .user(...) first")
+        return ""
+    return tok.apply_chat_template([{"role": r, "content": c} for r, c in messages],
+                                   tokenize=False, add_generation_prompt=opened)
+
+
+def _texts(state: SequenceState, content: str | Sequence[str], what: str) -> list[str]:
+    """One text per row: a str for all, or one per batch item / per row."""
+    if isinstance(content, str):
+        return [content] * len(state.rows)
+    if isinstance(content, (list, tuple)) and content and all(isinstance(c, str) for c in content):
+        if len(content) == state.n_batch:
+            return [content[i // state.n_samples] for i in range(len(state.rows))]
+        if len(content) == len(state.rows):
+            return list(content)
+        raise BatchMismatch(f"{len(content)} {what} texts for a state of shape {state.shape}: "
+                            f"give one str, {state.n_batch} (one per batch item) or "
+                            f"{len(state.rows)} (one per row)")
+    raise ChatTemplateError(f"a {what} turn's content is a str or a list of str, got {content!r}")
+
+
+def _chat_of(row: Row) -> Chat:
+    if row.chat is None:
+        raise ChatTemplateError("this state is not a conversation (or was cut inside a turn's "
+                                "markup); start one with ss.chat(model), or slice back to a "
+                                "turn boundary")
+    return row.chat
+
+
+def _append(model: Any, row: Row, pieces: list[tuple[str, str | None]], messages: tuple,
+            opened: bool) -> Row:
+    """Append the rendering's new text to ``row``: ``pieces`` are (text, role) chunks in
+    order; each one with a role closes that turn (its end is recorded when the tokens of
+    the text so far are a prefix of the whole delta's tokens)."""
+    delta = "".join(text for text, _ in pieces)
+    tokens = model.encode(delta)
+    base = len(row.tokens)
+    ends = list(row.chat.ends)
+    upto = ""
+    for text, role in pieces:
+        upto += text
+        if role is not None:
+            part = model.encode(upto)
+            ends.append(base + len(part) if tokens[:len(part)] == part else -1)
+    chat = Chat(messages, tuple(ends), base + len(tokens) if opened else None)
+    return dataclasses.replace(row.extended(tokens), chat=chat)
+
+
+def _grown(before: str, after: str, what: str) -> str:
+    """The text a rendering adds after ``before``; an error when it rewrites ``before``."""
+    if not after.startswith(before):
+        raise ChatTemplateError(
+            "the chat template renders this conversation differently once a new turn follows "
+            "(it rewrites or trims earlier turns, or text was appended outside a turn), so "
+            f"{what} cannot be appended to the state's tokens; rebuild the conversation with "
+            "ss.chat(model) instead")
+    return after[len(before):]
+
+
+def _turn(model: Any, row: Row, role: str, content: str) -> Row:
+    chat = _chat_of(row)
+    messages = chat.messages
+    have = model.vocab.decode(row.tokens)
+    pieces: list[tuple[str, str | None]] = []
+    if chat.open_at is not None:               # close the assistant's turn first
+        messages += (("assistant", model.vocab.decode(row.tokens[chat.open_at:])),)
+        closed = _render(model, messages, False)
+        pieces.append((_grown(have, closed, "the assistant's reply"), "assistant"))
+        have = closed
+    messages += ((role, content),)
+    closed = _render(model, messages, False)
+    pieces.append((_grown(have, closed, f"the {role} turn"), role))
+    opened = role == "user"
+    if opened:
+        pieces.append((_grown(closed, _render(model, messages, True), "the assistant turn"), None))
+    return _append(model, row, pieces, messages, opened)
+
+
+def _open(model: Any, row: Row) -> Row:
+    """The row with the assistant's turn opened (unchanged when it already is)."""
+    chat = _chat_of(row)
+    if chat.open_at is not None:
+        return row
+    have = model.vocab.decode(row.tokens)
+    opened = _grown(have, _render(model, chat.messages, True), "the assistant turn")
+    return _append(model, row, [(opened, None)], chat.messages, True)
+
+
+def add_turn(state: SequenceState, role: str, content: str | Sequence[str]) -> SequenceState:
+    """``state.system(...)`` / ``state.user(...)``: a new turn on every row."""
+    if role not in ROLES:
+        raise ChatTemplateError(f"role must be one of {ROLES}, got {role!r}")
+    texts = _texts(state, content, role)
+    return state._with_rows([_turn(state.model, r, role, t) for r, t in zip(state.rows, texts)])
+
+
+def add_reply(state: SequenceState, reply: Any, call: dict[str, Any]) -> SequenceState:
+    """``state.assistant(reply, **call)``: open the assistant's turn on every row, then append
+    ``reply`` (text) or call it (a generator) on the state."""
+    opened = state._with_rows([_open(state.model, r) for r in state.rows])
+    if isinstance(reply, (str, list, tuple)):
+        if call:
+            raise ChatTemplateError(f"keywords {sorted(call)} apply to a generator reply, not to "
+                                    "text")
+        texts = _texts(opened, reply, "assistant")
+        return opened._with_rows([r.extended(state.model.encode(t))
+                                  for r, t in zip(opened.rows, texts)])
+    if not callable(reply):
+        raise ChatTemplateError(f"an assistant reply is text or a generator, got {reply!r}")
+    return reply(opened, **call)
