@@ -324,8 +324,14 @@ class Generator:
                 length = sum(lp is not None for lp in row.logprobs)
                 beams.append((requests[i], weight, length, i))
             groups.append(beams)
-        runner = beam_run(self.model, [[g[:3] for g in beams] for beams in groups], params)
-        results = final_state(runner)
+        bar = progress_bar(call.progress, max(r.max_new for r in requests), self.name, "tok")
+        runner = beam_run(self.model, [[g[:3] for g in beams] for beams in groups], params,
+                          None if bar is None else lambda: bar.update(1))
+        try:
+            results = final_state(runner)
+        finally:
+            if bar is not None:
+                bar.close()
         samples = min(len(r) for r in results)
         rows = []
         for beams, found in zip(groups, results):

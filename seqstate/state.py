@@ -62,9 +62,9 @@ class Row:
                     continue
                 cut = dataclasses.replace(span, start=max(span.start, lo) - lo, end=min(span.end, hi) - lo)
                 if cut.end - cut.start != span.end - span.start:
-                    # a span cut short no longer carries its value (nor its capture): it is a
-                    # different text now
-                    cut = dataclasses.replace(cut, value=None, finish_reason="sliced", name=None)
+                    # a span cut short no longer carries its value (nor a capture: its name
+                    # stays only for resume()): it is a different text now
+                    cut = dataclasses.replace(cut, value=None, finish_reason="sliced")
                 spans.append(cut)
         chat = None
         if positions.step == 1 and positions.start == 0 and self.chat is not None:
@@ -407,7 +407,8 @@ class Captures(Mapping):
         self.state = state
 
     def _row(self, row: Row) -> dict[str, Any]:
-        return {span.name: span.value for span in row.spans if span.name is not None}
+        return {span.name: span.value for span in row.spans
+                if span.name is not None and span.finish_reason != "sliced"}
 
     def __getitem__(self, name: str) -> Any:
         found = [self._row(r) for r in self.state.rows]

@@ -44,6 +44,36 @@ def anchored(pattern: str) -> str:
     return f"(?:{pattern})$"
 
 
+def _compile(pattern: str, model) -> tuple[Index, int]:
+    """The index of ``anchored(pattern)`` and the state a call starts in.
+
+    outlines_core cannot build an end-anchored automaton whose start state already accepts
+    (a pattern matching the empty string: ``[a-z]*``, ``(ab)?``).  Such a pattern is compiled
+    behind a one-byte sentinel token, and calls start in the state after it.
+    """
+    vocab = _vocabulary(model)
+    try:
+        index = Index(anchored(pattern), vocab)
+        return index, index.get_initial_state()
+    except Exception as exc:
+        if "start state" not in str(exc):
+            raise
+    byte, token = _sentinel(model)
+    index = Index(f"\\x{byte:02x}" + anchored(pattern), vocab)
+    return index, index.get_next_state(index.get_initial_state(), token)
+
+
+def _sentinel(model) -> tuple[int, int]:
+    """A control byte that is a token of its own: (byte, token id)."""
+    ids = {b: i for i, b in enumerate(model.vocab.token_bytes) if len(b) == 1}
+    for byte in range(1, 32):
+        if bytes([byte]) in ids and ids[bytes([byte])] not in model.vocab.special_ids:
+            return byte, ids[bytes([byte])]
+    raise ConstraintError("this tokenizer has no one-byte control-character token, which "
+                          "seqstate needs to compile a regex that matches the empty string; "
+                          "make the pattern require at least one character")
+
+
 class RegexConstraint:
     """A compiled regex over a model's vocabulary: frozen and shared by every row."""
 
@@ -54,7 +84,12 @@ class RegexConstraint:
         self.vocab_size = model.vocab.size
         self.eos = sorted(model.eos_token_ids)
         try:
-            self.index = index if index is not None else Index(anchored(pattern), _vocabulary(model))
+            if index is not None:
+                self.index, self.initial = index, index.get_initial_state()
+            else:
+                self.index, self.initial = _compile(pattern, model)
+        except ConstraintError:
+            raise
         except Exception as exc:
             raise ConstraintError(f"cannot compile regex {pattern!r}: {exc}; check the pattern "
                                   "(Python `re` syntax, no lookarounds or backreferences)") from exc
@@ -66,7 +101,7 @@ class RegexConstraint:
         return cls("<outlines index>", model, index=index)
 
     def start(self) -> RegexCursor:
-        return RegexCursor(self, self.index.get_initial_state())
+        return RegexCursor(self, self.initial)
 
     def parse(self, text: str) -> object:
         return self._parse(text)

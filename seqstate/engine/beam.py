@@ -10,7 +10,7 @@ A beam search is a scheduler job like any call: its rows share decode steps with
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 
@@ -33,22 +33,24 @@ class _Beam:
 
 
 def beam_run(model, groups: Sequence[Sequence[tuple[RowRequest, float, int]]],
-             params: BeamSearch) -> Generator[None, None, list[list[tuple[RowResult, float, int]]]]:
+             params: BeamSearch, on_step: Callable[[], None] | None = None
+             ) -> Generator[None, None, list[list[tuple[RowResult, float, int]]]]:
     """Beam-search each group (one batch item's incoming beams: request, weight, length).
 
     Returns, per group, up to ``width`` ``(result, score, origin)`` triples sorted best-first;
     ``origin`` is the index of the incoming beam (within its group) the result descends from.
+    ``on_step`` runs on the scheduler's worker after every step (a progress bar).
     """
-    return (yield from model.scheduler.execute(BeamJob(model, groups, params)))
+    return (yield from model.scheduler.execute(BeamJob(model, groups, params, on_step)))
 
 
 class BeamJob(Job):
     """A beam search's beams inside the scheduler."""
 
     def __init__(self, model, groups: Sequence[Sequence[tuple[RowRequest, float, int]]],
-                 params: BeamSearch) -> None:
+                 params: BeamSearch, on_step: Callable[[], None] | None = None) -> None:
         super().__init__()
-        self.model, self.groups, self.params = model, groups, params
+        self.model, self.groups, self.params, self.on_step = model, groups, params, on_step
         self.flat = [(g, req, w, n) for g, beams in enumerate(groups) for req, w, n in beams]
         self.finished: list[list[tuple[RowResult, float, int]]] = [[] for _ in groups]
         self.open_groups = set(range(len(groups)))
@@ -122,6 +124,8 @@ class BeamJob(Job):
             else:
                 survivors.extend(kept)
         self._move_slots(batch, survivors)
+        if self.on_step is not None:
+            self.on_step()
         if not self.beams:
             self.finish(finished)
             return True

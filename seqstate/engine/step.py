@@ -120,7 +120,7 @@ class Stepper:
                     m = torch.ones_like(m)
                 masked[j].masked_fill_(~m, float("-inf"))
         # 2. sample every row at once
-        chosen = self.sampler.choose(masked, self.rng).tolist()                         # (B,)
+        chosen = self._choose(masked, live).tolist()                                    # (B,)
         # 3. hooks may replace, resample or roll back; 4. accept
         for j, i in enumerate(live):
             row = self.rows[i]
@@ -135,6 +135,13 @@ class Stepper:
             accepted = token if len(row.tokens) > before else None   # EOS is not appended
             events.append(StepEvent(i, accepted, chunk, 0, row.finish_reason))
         return events
+
+    def _choose(self, masked: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """The sampler's tokens for ``rows``' masked logits; penalties see the rows' tokens."""
+        if getattr(self.sampler, "needs_history", False):
+            history = [(self.rows[i].tokens, self.rows[i].start) for i in rows]
+            return self.sampler.choose(masked, self.rng, history)
+        return self.sampler.choose(masked, self.rng)
 
     def _run_hooks(self, row: LiveRow, i: int, token: int, logits: torch.Tensor,
                    logprobs: torch.Tensor, masked: torch.Tensor) -> tuple[int, int]:
@@ -181,6 +188,6 @@ class Stepper:
                 row.finish("dead_end")
                 return token, 0
             row.bans.setdefault(len(row.tokens), set()).update(banned)
-            token = int(self.sampler.choose(masked[None], self.rng)[0])
+            token = int(self._choose(masked[None], [i])[0])
             k = 0
         return token, 0

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["greedy_tokens", "race_sample", "filter_top_k", "filter_top_p"]
+__all__ = ["greedy_tokens", "race_sample", "filter_top_k", "filter_top_p", "filter_min_p",
+           "repetition_penalty", "presence_frequency_penalty"]
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -29,6 +30,37 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     drop_sorted = cum - sorted_logits.softmax(dim=-1) >= p          # mass before this token >= p
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+
+
+def filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens less likely than ``min_p`` times the row's most likely token."""
+    probs = logits.softmax(dim=-1)                                  # (B, V)
+    floor = min_p * probs.amax(dim=-1, keepdim=True)                # (B, 1)
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
+def repetition_penalty(logits: torch.Tensor, history: list[torch.Tensor],
+                       penalty: float) -> torch.Tensor:
+    """CTRL's repetition penalty (as Hugging Face applies it): the logit of every token in
+    row ``b``'s ``history[b]`` is divided by ``penalty`` when positive, multiplied when not."""
+    out = logits.clone()
+    for b, seen in enumerate(history):
+        if seen.numel():
+            picked = out[b, seen]
+            out[b, seen] = torch.where(picked < 0, picked * penalty, picked / penalty)
+    return out
+
+
+def presence_frequency_penalty(logits: torch.Tensor, history: list[torch.Tensor],
+                               presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI's penalties: subtract ``presence`` from the logit of every token that occurs
+    in row ``b``'s ``history[b]``, and ``frequency`` times the number of its occurrences."""
+    out = logits.clone()
+    for b, seen in enumerate(history):
+        if seen.numel():
+            counts = torch.bincount(seen, minlength=logits.shape[-1]).to(logits.dtype)  # (V,)
+            out[b] -= presence * (counts > 0).to(logits.dtype) + frequency * counts
+    return out
 
 
 def race_sample(logits: torch.Tensor, rng: torch.Generator | None) -> torch.Tensor:

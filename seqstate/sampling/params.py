@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from seqstate.sampling.functions import (filter_top_k, filter_top_p, greedy_tokens,
-                                         race_sample)
+from seqstate.sampling.functions import (filter_min_p, filter_top_k, filter_top_p,
+                                         greedy_tokens, presence_frequency_penalty, race_sample,
+                                         repetition_penalty)
 
 from seqstate.errors import ArgumentError
 
@@ -48,18 +50,29 @@ class Greedy:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Multinomial:
-    """Ancestral sampling with temperature, then optional top-k and nucleus (top-p) filtering.
+    """Ancestral sampling with penalties, temperature, then top-k, top-p and min-p filtering.
+
+    Applied in Hugging Face's order: ``repetition_penalty`` (over every token of the row,
+    prompt included, as ``RepetitionPenaltyLogitsProcessor``), ``presence_penalty`` and
+    ``frequency_penalty`` (over the tokens this call generated, as OpenAI, vLLM and SGLang
+    define them), then temperature, top-k, top-p and min-p.  Stored log-probs stay the
+    model's own; the adjustments only decide which token is drawn.
 
     Examples
     --------
     >>> import seqstate as ss
-    >>> ss.multinomial(temperature=0.7, top_p=0.9)
-    Multinomial(temperature=0.7, top_k=None, top_p=0.9)
+    >>> ss.multinomial(temperature=0.7, top_p=0.9, repetition_penalty=1.2)
+    Multinomial(temperature=0.7, top_k=None, top_p=0.9, min_p=None, repetition_penalty=1.2, \
+presence_penalty=0.0, frequency_penalty=0.0)
     """
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not _is_real(self.temperature) or not self.temperature > 0:
@@ -69,14 +82,48 @@ class Multinomial:
             raise ArgumentError(f"top_k must be an int >= 1 or None, got {self.top_k!r}")
         if self.top_p is not None and not (_is_real(self.top_p) and 0 < self.top_p <= 1):
             raise ArgumentError(f"top_p must be a number in (0, 1] or None, got {self.top_p!r}")
+        if self.min_p is not None and not (_is_real(self.min_p) and 0 <= self.min_p <= 1):
+            raise ArgumentError(f"min_p must be a number in [0, 1] or None, got {self.min_p!r}")
+        if not _is_real(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise ArgumentError(f"repetition_penalty must be a number > 0 (1.0: none), got "
+                                f"{self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or abs(value) == float("inf"):
+                raise ArgumentError(f"{name} must be a finite number (0.0: none), got {value!r}")
 
-    def choose(self, logits: torch.Tensor, rng: torch.Generator | None) -> torch.Tensor:
+    @property
+    def needs_history(self) -> bool:
+        """Whether :meth:`choose` needs the rows' tokens (a penalty is set)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def warp(self, logits: torch.Tensor,
+             history: Sequence[tuple[Sequence[int], int]] | None = None) -> torch.Tensor:
+        """The logits ``choose`` draws from; ``history[b]`` is row ``b``'s ``(tokens, start)``,
+        ``tokens[start:]`` being what this call generated."""
+        if self.needs_history:
+            if history is None:
+                raise ArgumentError("penalties need each row's tokens: pass history")
+            if self.repetition_penalty != 1.0:
+                seen = [torch.as_tensor(list(t), dtype=torch.long) for t, _ in history]
+                logits = repetition_penalty(logits, seen, self.repetition_penalty)
+            if self.presence_penalty or self.frequency_penalty:
+                new = [torch.as_tensor(list(t[start:]), dtype=torch.long) for t, start in history]
+                logits = presence_frequency_penalty(logits, new, self.presence_penalty,
+                                                    self.frequency_penalty)
         logits = logits / self.temperature
         if self.top_k is not None:
             logits = filter_top_k(logits, self.top_k)
         if self.top_p is not None:
             logits = filter_top_p(logits, self.top_p)
-        return race_sample(logits, rng)
+        if self.min_p:
+            logits = filter_min_p(logits, self.min_p)
+        return logits
+
+    def choose(self, logits: torch.Tensor, rng: torch.Generator | None,
+               history: Sequence[tuple[Sequence[int], int]] | None = None) -> torch.Tensor:
+        return race_sample(self.warp(logits, history), rng)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,7 +169,9 @@ def beam_search(width: int, length_penalty: float = 0.0, early_stopping: bool = 
     return BeamSearch(width, length_penalty, early_stopping)
 
 
-def multinomial(temperature: float = 1.0, top_k: int | None = None,
-                top_p: float | None = None) -> Multinomial:
-    """A multinomial sampler with temperature, top-k and top-p."""
-    return Multinomial(temperature, top_k, top_p)
+def multinomial(temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                min_p: float | None = None, repetition_penalty: float = 1.0,
+                presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Multinomial:
+    """A multinomial sampler (see :class:`Multinomial` for what each option does)."""
+    return Multinomial(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+                       frequency_penalty)
