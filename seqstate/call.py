@@ -60,6 +60,7 @@ class Call:
     hooks: Sequence[Callable] = ()
     token_healing: bool = False
     max_backtracks: int = DEFAULT_MAX_BACKTRACKS
+    speculate: bool = True
     name: str | None = None
     progress: bool | None = None
 
@@ -104,6 +105,8 @@ class Call:
             raise ArgumentError(f"hooks must be callables taking a SampleEvent, got {self.hooks!r}")
         if not isinstance(self.token_healing, bool):
             raise ArgumentError(f"token_healing must be True or False, got {self.token_healing!r}")
+        if not isinstance(self.speculate, bool):
+            raise ArgumentError(f"speculate must be True or False, got {self.speculate!r}")
         if self.name is not None and not (isinstance(self.name, str) and self.name):
             raise ArgumentError(f"name must be a non-empty str (the capture's name), got {self.name!r}")
         if self.progress is not None and not isinstance(self.progress, bool):
@@ -128,6 +131,8 @@ class Call:
 
     @property
     def stops(self) -> StopMatcher | None:
+        if not isinstance(self.speculate, bool):
+            raise ArgumentError(f"speculate must be True or False, got {self.speculate!r}")
         if self.name is not None and not (isinstance(self.name, str) and self.name):
             raise ArgumentError(f"name must be a non-empty str (the capture's name), got {self.name!r}")
         if self.progress is not None and not isinstance(self.progress, bool):

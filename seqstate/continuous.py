@@ -59,6 +59,10 @@ token_healing : bool, default False
     Back up the prompt's last tokens and let the call re-spell them.
 max_backtracks : int, default {DEFAULT_MAX_BACKTRACKS}
     Most rollbacks hooks may ask for per row before it finishes with ``"max_backtracks"``.
+speculate : bool, default True
+    Constraint-guided speculation: text a constraint forces is drafted in its canonical
+    tokens and verified by the model in one forward; the sampler's own choice is kept at
+    every position, so the output is the same as without it.  False decodes token by token.
 name : str or None, default None
     Record this call's value as a named capture: ``state[name]``.
 progress : bool or None, default None
@@ -249,7 +253,8 @@ class Generator:
                  sampler: Sampler = Greedy(), seed: int | None = None,
                  rng: torch.Generator | None = None, hooks: Sequence[Callable] = (),
                  token_healing: bool = False, max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
-                 name: str | None = None, progress: bool | None = None,
+                 speculate: bool = True, name: str | None = None,
+                 progress: bool | None = None,
                  **unknown: Any) -> SequenceState:
         """Generate from ``prompt`` (a str, a list of str, one per batch item, or a state);
         returns the new state."""
@@ -262,7 +267,8 @@ class Generator:
                     sampler: Sampler = Greedy(), seed: int | None = None,
                     rng: torch.Generator | None = None, hooks: Sequence[Callable] = (),
                     token_healing: bool = False, max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
-                    name: str | None = None, progress: bool | None = None,
+                    speculate: bool = True, name: str | None = None,
+                    progress: bool | None = None,
                     **unknown: Any) -> SequenceState:
         """``await gen.acall(...)``: the same call from an event loop (it runs on a worker
         thread, so concurrent ``acall``\\ s share decode steps like threads do)."""
@@ -276,7 +282,8 @@ class Generator:
                sampler: Sampler = Greedy(), seed: int | None = None,
                rng: torch.Generator | None = None, hooks: Sequence[Callable] = (),
                token_healing: bool = False, max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
-               name: str | None = None, progress: bool | None = None,
+               speculate: bool = True, name: str | None = None,
+               progress: bool | None = None,
                **unknown: Any) -> SequenceState:
         """Continue each row's last generator call exactly where the (sliced) state stands."""
         call = Call.of(locals(), unknown)
@@ -288,7 +295,8 @@ class Generator:
                sampler: Sampler = Greedy(), seed: int | None = None,
                rng: torch.Generator | None = None, hooks: Sequence[Callable] = (),
                token_healing: bool = False, max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
-               name: str | None = None, progress: bool | None = None,
+               speculate: bool = True, name: str | None = None,
+               progress: bool | None = None,
                **unknown: Any) -> Iterator[Any]:
         """Yield generated text as it is produced; the iterator's return value is the final state.
 
@@ -352,7 +360,7 @@ class Generator:
             observe = _counting(observe, bar)
         try:
             results = yield from run(self.model, requests, call.sampler, call.generator(),
-                                     call.hooks, call.max_backtracks, observe)
+                                     call.hooks, call.max_backtracks, observe, call.speculate)
         finally:
             if bar is not None:
                 bar.close()

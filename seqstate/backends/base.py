@@ -85,6 +85,15 @@ class Batch(Protocol):
         """
         ...
 
+    def extend(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Feed ``feeds[j]`` (one or more tokens) to ``slots[j]``, all in one batch.
+
+        Returns, per slot, float32 logits ``(len(feeds[j]), V)``: the next-token logits after
+        each fed token.  Each slot's KV grows by ``len(feeds[j])``; speculation verifies a
+        draft this way and :meth:`truncate`\ s what the sampler did not accept.
+        """
+        ...
+
     def length(self, slot: int) -> int:
         """Tokens of the slot's row whose KV the slot holds."""
         ...

@@ -126,13 +126,27 @@ class GrammarConstraint:
 class GrammarCursor:
     """An llguidance matcher owned by exactly one generated token; never advanced in place."""
 
-    __slots__ = ("constraint", "matcher", "_bits", "_mask")
+    __slots__ = ("constraint", "matcher", "_bits", "_mask", "_draft")
 
     def __init__(self, constraint: GrammarConstraint, matcher) -> None:
         self.constraint = constraint
         self.matcher = matcher
         self._bits: np.ndarray | None = None
         self._mask: torch.Tensor | None = None
+        self._draft: tuple[int, ...] | None = None
+
+    def draft(self) -> tuple[int, ...]:
+        """The text the grammar forces next (llguidance's fast-forward bytes), tokenized as the
+        tokenizer would and cut where the grammar stops accepting the tokens: a speculation
+        draft the engine verifies against the model.  It reaches one token further than
+        llguidance's own fast-forward tokens, which stop where the next token could merge
+        with text the model chooses."""
+        if self._draft is None:
+            forced = self.matcher.compute_ff_bytes()
+            text = forced.decode("utf-8", "ignore")
+            tokens = self.constraint.model.encode(text) if text else []
+            self._draft = tuple(tokens[: self.matcher.validate_tokens(tokens)])
+        return self._draft
 
     def allowed(self) -> torch.Tensor:
         """The allowed tokens; computed once per cursor (the engine asks for it, then

@@ -18,7 +18,9 @@ from seqstate.errors import ConstraintError
 
 __all__ = ["RegexConstraint", "RegexCursor", "byte_vocabulary", "anchored"]
 
-_MASK_CACHE = 1024       # allowed-token masks kept per compiled constraint
+_MASK_CACHE = 1024       # allowed-token masks (and drafts) kept per compiled constraint
+_DRAFT_WIDTH = 64        # a state allowing more tokens than this forces no text
+_DRAFT_BYTES = 256       # longest forced text drafted at once
 
 
 def byte_vocabulary(model) -> Vocabulary:
@@ -83,6 +85,8 @@ class RegexConstraint:
         self._parse = parse
         self.vocab_size = model.vocab.size
         self.eos = sorted(model.eos_token_ids)
+        self.model = model
+        self._drafts: OrderedDict[int, tuple[int, ...]] = OrderedDict()
         try:
             if index is not None:
                 self.index, self.initial = index, index.get_initial_state()
@@ -123,6 +127,59 @@ class RegexConstraint:
         return m
 
 
+    def draft(self, state: int) -> tuple[int, ...]:
+        """The canonical tokens of the text every match must continue with from ``state``.
+
+        Walks the automaton while all allowed tokens share a common byte prefix that is a token
+        itself, then tokenizes the forced text as the tokenizer would.  The engine verifies
+        the draft against the model (speculation); it never forces it.
+        """
+        found = self._drafts.get(state)
+        if found is None:
+            found = self._draft(state)
+            self._drafts[state] = found
+            if len(self._drafts) > _MASK_CACHE:
+                self._drafts.popitem(last=False)
+        return found
+
+    def _draft(self, state: int) -> tuple[int, ...]:
+        token_bytes, index = self.model.vocab.token_bytes, self.index
+        by_bytes = self.model.constraint_cache.setdefault(
+            ("token-by-bytes",), {b: i for i, b in reversed(list(enumerate(token_bytes))) if b})
+        forced, s = b"", state
+        while len(forced) < _DRAFT_BYTES and not index.is_final_state(s):
+            allowed = self.mask(s).clone()
+            allowed[self.eos] = False
+            ids = allowed.nonzero().flatten().tolist()
+            if not ids or len(ids) > _DRAFT_WIDTH:
+                break
+            common = bytes(_common_prefix([token_bytes[i] for i in ids]))
+            token = by_bytes.get(common)
+            nxt = None if token is None else index.get_next_state(s, token)
+            if nxt is None:
+                break
+            forced, s = forced + common, nxt
+        try:
+            text = forced.decode("utf-8")
+        except UnicodeDecodeError:
+            text = forced[: len(forced.decode("utf-8", "ignore").encode())].decode("utf-8")
+        draft, s = [], state
+        for token in self.model.encode(text) if text else []:
+            s = index.get_next_state(s, token)
+            if s is None:
+                break
+            draft.append(token)
+        return tuple(draft)
+
+
+def _common_prefix(items: list[bytes]) -> bytes:
+    first, last = min(items), max(items)
+    n = 0
+    while n < min(len(first), len(last)) and first[n] == last[n]:
+        n += 1
+    return first[:n]
+
+
 def _vocabulary(model) -> Vocabulary:
     cache = model.constraint_cache
     if ("vocabulary",) not in cache:
@@ -137,6 +194,10 @@ class RegexCursor:
 
     def allowed(self) -> torch.Tensor:
         return self.constraint.mask(self.state)
+
+    def draft(self) -> tuple[int, ...]:
+        """Tokens the constraint forces next, canonically tokenized (a speculation draft)."""
+        return self.constraint.draft(self.state)
 
     def advance(self, token: int) -> RegexCursor:
         nxt = self.constraint.index.get_next_state(self.state, token)

@@ -67,10 +67,11 @@ class BeamJob(Job):
             row.origin = i - sum(len(self.groups[j]) for j in range(g))
             self.beams.append(_Beam(row, w, n, g, slot))
 
-    def wants(self) -> tuple[list[int], list[int]]:
-        return [b.slot for b in self.beams], [b.row.tokens[-1] for b in self.beams]
+    def wants(self) -> tuple[list[int], list[list[int]]]:
+        return [b.slot for b in self.beams], [[b.row.tokens[-1]] for b in self.beams]
 
-    def step(self, batch, logits: torch.Tensor) -> bool:
+    def step(self, batch, logits: list[torch.Tensor]) -> bool:
+        logits = torch.cat(logits)                                                        # (N, V)
         width, params, beams, finished = self.params.width, self.params, self.beams, self.finished
         open_groups = self.open_groups
         # 1. constrain and score: candidates are (weight + log-prob) of allowed tokens

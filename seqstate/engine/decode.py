@@ -42,9 +42,11 @@ class DecodeJob(Job):
 
     def __init__(self, model, requests: Sequence[RowRequest], sampler: Sampler,
                  rng: torch.Generator | None, hooks: Sequence, max_backtracks: int,
-                 observe: Callable[[list[LiveRow]], Sequence[Any]]) -> None:
+                 observe: Callable[[list[LiveRow]], Sequence[Any]], speculate: bool = True) -> None:
         super().__init__()
         self.model, self.requests, self.observe = model, requests, observe
+        self.speculate = speculate
+        self.feeds: dict[int, list[int]] = {}
         self.rows = [LiveRow(req, model.vocab, model.eos_token_ids) for req in requests]
         self.stepper = Stepper(model, requests, sampler, rng, hooks, max_backtracks, rows=self.rows)
         self.results: dict[int, RowResult] = {}
@@ -57,18 +59,45 @@ class DecodeJob(Job):
         self.slots = list(slots)
         self.slot_of = dict(enumerate(self.slots))              # row index -> slot
 
-    def wants(self) -> tuple[list[int], list[int]]:
+    def wants(self) -> tuple[list[int], list[list[int]]]:
         live = self.stepper.live
-        return [self.slot_of[i] for i in live], [self.rows[i].tokens[-1] for i in live]
+        self.feeds = {i: [self.rows[i].tokens[-1], *self._draft(self.rows[i])] for i in live}
+        return [self.slot_of[i] for i in live], [self.feeds[i] for i in live]
 
-    def step(self, batch, logits: torch.Tensor) -> bool:
-        # sample, run hooks, accept; a rollback forgets the dropped KV; finished rows leave
-        for ev in self.stepper.step(logits):
-            row, slot = self.rows[ev.row], self.slot_of[ev.row]
-            if ev.rolled_back:
+    def _draft(self, row: LiveRow) -> tuple[int, ...]:
+        """Tokens the row's constraint forces next (speculation), within the row's budget."""
+        draft = getattr(row.cursor, "draft", None) if self.speculate else None
+        if draft is None:
+            return ()
+        room = row.req.max_new - (len(row.generated) - row.free) - 1
+        return draft()[:room] if room > 0 else ()
+
+    def step(self, batch, logits: list[torch.Tensor]) -> bool:
+        # position j of every row still following its draft: sample, run hooks, accept; a row
+        # stops at the first token that differs from its draft (a sampler's own choice, a
+        # hook's replacement or rollback, or the end of the row)
+        live = self.stepper.live
+        mine = dict(zip(live, logits))
+        following, j, accepted = live, 0, 0
+        while following:
+            events = self.stepper.step(torch.stack([mine[i][j] for i in following]), following)
+            kept = {ev.row for ev in events if ev.token is not None and not ev.rolled_back
+                    and not self.rows[ev.row].done and j + 1 < len(self.feeds[ev.row])
+                    and ev.token == self.feeds[ev.row][j + 1]}
+            accepted += len(kept)
+            following, j = [i for i in following if i in kept], j + 1
+        drafted = sum(len(f) - 1 for f in self.feeds.values())
+        if drafted:
+            self.model.count(draft_tokens_accepted=accepted,
+                             draft_tokens_rejected=drafted - accepted)
+        # the slot keeps the KV of the row's tokens but the last: drop rejected draft tokens
+        # and what a rollback removed; finished rows store their KV and leave
+        for i in live:
+            row, slot = self.rows[i], self.slot_of[i]
+            if batch.length(slot) > len(row.tokens) - 1:
                 batch.truncate(slot, len(row.tokens) - 1)
-            if row.done and ev.row not in self.results:
-                self.results[ev.row] = commit(batch, slot, row)
+            if row.done and i not in self.results:
+                self.results[i] = commit(batch, slot, row)
                 batch.release(slot)
                 self.slots.remove(slot)
         self.deliver(self.observe(self.rows))
@@ -81,23 +110,24 @@ class DecodeJob(Job):
 def run(model, requests: Sequence[RowRequest], sampler: Sampler,
         rng: torch.Generator | None, hooks: Sequence = (),
         max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
-        observe: Callable[[list[LiveRow]], Sequence[Any]] = lambda rows: ()
-        ) -> Generator[Any, None, list[RowResult]]:
+        observe: Callable[[list[LiveRow]], Sequence[Any]] = lambda rows: (),
+        speculate: bool = True) -> Generator[Any, None, list[RowResult]]:
     """Continue every row, sharing decode steps with concurrent calls on the same model.
 
     Yields what ``observe`` returns after each step; returns the results.  Nothing visible
     outside is mutated: new KV goes into new stored KV, and an exception leaves every
     existing state as it was.
     """
-    job = DecodeJob(model, requests, sampler, rng, hooks, max_backtracks, observe)
+    job = DecodeJob(model, requests, sampler, rng, hooks, max_backtracks, observe, speculate)
     return (yield from model.scheduler.execute(job))
 
 
 def generate(model, requests: Sequence[RowRequest], sampler: Sampler,
              rng: torch.Generator | None = None, hooks: Sequence = (),
-             max_backtracks: int = DEFAULT_MAX_BACKTRACKS) -> list[RowResult]:
+             max_backtracks: int = DEFAULT_MAX_BACKTRACKS, speculate: bool = True
+             ) -> list[RowResult]:
     """Continue every row to completion; see :func:`run`."""
-    steps = run(model, requests, sampler, rng, hooks, max_backtracks)
+    steps = run(model, requests, sampler, rng, hooks, max_backtracks, speculate=speculate)
     while True:
         try:
             next(steps)

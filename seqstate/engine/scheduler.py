@@ -53,12 +53,12 @@ class Job:
         rows, extra = self.needs()
         self.joined(batch.add(rows, extra))
 
-    def wants(self) -> tuple[list[int], list[int]]:
-        """``(slots, tokens)`` to feed this step."""
+    def wants(self) -> tuple[list[int], list[list[int]]]:
+        """``(slots, feeds)`` to feed this step: one or more tokens per slot."""
         raise NotImplementedError
 
-    def step(self, batch, logits: torch.Tensor) -> bool:
-        """Consume this job's logits ``(len(slots), V)``; True when the job is finished."""
+    def step(self, batch, logits: list[torch.Tensor]) -> bool:
+        """Consume this job's logits, ``(len(feeds[j]), V)`` per slot; True when finished."""
         raise NotImplementedError
 
     # -- talking to the caller ----------------------------------------------------------------
@@ -164,9 +164,12 @@ class Scheduler:
                 return []
             wants = [job.wants() for job in running]
             slots = [s for w in wants for s in w[0]]
-            tokens = [t for w in wants for t in w[1]]
+            feeds = [f for w in wants for f in w[1]]
             try:
-                logits = batch.forward(slots, tokens)                                   # (N, V)
+                if all(len(f) == 1 for f in feeds):
+                    logits = list(batch.forward(slots, [f[0] for f in feeds]).unsqueeze(1))
+                else:                             # a draft to verify: logits at every token
+                    logits = batch.extend(slots, feeds)
             except BaseException as exc:          # noqa: BLE001 - the engine failed everyone
                 for job in running:
                     job.fail(batch, exc)

@@ -99,9 +99,10 @@ class Stepper:
         return [r.result(handles[i] if handles else None) for i, r in enumerate(self.rows)]
 
     # -- the step -----------------------------------------------------------------------------
-    def step(self, logits: torch.Tensor) -> list[StepEvent]:
-        """Advance every live row by one token given its logits (B_live, V), in ``live`` order."""
-        live = self.live
+    def step(self, logits: torch.Tensor, rows: Sequence[int] | None = None) -> list[StepEvent]:
+        """Advance every live row by one token given its logits (B_live, V), in ``live`` order
+        (or only ``rows``, live rows given in that order)."""
+        live = self.live if rows is None else list(rows)
         if logits.shape[0] != len(live):
             raise ValueError(f"expected logits for {len(live)} live rows, got {logits.shape[0]}")
         if not torch.isfinite(logits).any(dim=-1).all():

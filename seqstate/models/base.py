@@ -35,6 +35,8 @@ class Stats:
     kv_bytes_cached: int = 0         # bytes of every stored KV (held + evictable)
     evictions: int = 0               # stored KV dropped under the budget
     segments: int = 0
+    draft_tokens_accepted: int = 0   # speculation: drafted tokens the sampler chose too
+    draft_tokens_rejected: int = 0   # drafted tokens fed but not chosen (their KV dropped)
 
     def __sub__(self, other: Stats) -> Stats:
         return Stats(**{f.name: getattr(self, f.name) - getattr(other, f.name)

@@ -27,7 +27,7 @@ class HFBackend:
     def __init__(self, model) -> None:
         self.model = model
         self.counters = dict(prefill_tokens=0, decode_tokens=0, cached_tokens_reused=0,
-                             forward_calls=0)
+                             forward_calls=0, draft_tokens_accepted=0, draft_tokens_rejected=0)
 
     def count(self, **deltas: int) -> None:
         for k, v in deltas.items():

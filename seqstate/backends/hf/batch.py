@@ -142,29 +142,44 @@ class HFBatch:
         return self.bases[row].length + len(self.cols[row])
 
     def forward(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        fed = {self.row_of[s]: [t] for s, t in zip(slots, tokens)}
+        logits = self._feed(fed, 1, "last")                                              # (B, V)
+        return logits[[self.row_of[s] for s in slots]]                                  # (N, V)
+
+    def extend(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        fed = {self.row_of[s]: list(f) for s, f in zip(slots, feeds)}
+        logits = self._feed(fed, max(map(len, feeds)), "all")                          # (B, k, V)
+        return [logits[self.row_of[s], : len(f)] for s, f in zip(slots, feeds)]
+
+    def _feed(self, fed: dict[int, list[int]], k: int, which: str) -> torch.Tensor:
+        """One forward of ``k`` new columns: buffer row ``r`` gets ``fed[r]`` then junk;
+        rows not fed ride along on junk (their output is dropped; a finished row needs no
+        mask).  Junk columns come after a row's fed tokens, so causal attention never sees
+        them; they are masked out when the row is fed again."""
         buf, model = self.buf, self.model
-        if buf.length + 1 > buf.capacity:
-            self._grow(0, buf.length + 1)
+        if buf.length + k > buf.capacity:
+            self._grow(0, buf.length + k)
         col = buf.length
-        fed = {self.row_of[s]: t for s, t in zip(slots, tokens)}
         for r in fed:
             if self.junk[r]:                      # a row fed again forgets the steps it sat out
                 self.mask[r, self.junk[r]] = 0
                 self.junk[r].clear()
                 self.padded = True
-        # rows not fed ride along (their output is dropped); a finished row needs no mask
-        ids = torch.tensor([[fed.get(r, model.pad_token_id)] for r in range(buf.rows)])   # (B, 1)
-        pos = torch.tensor([[self.bases[r].length + len(self.cols[r])]
-                            for r in range(buf.rows)])                                   # (B, 1)
-        self.mask[:, col] = 1
-        step_mask = self.mask[:, : col + 1].to(model.device) if self.padded else None
+        pad = model.pad_token_id
+        ids = torch.tensor([(fed.get(r, []) + [pad] * k)[:k] for r in range(buf.rows)])  # (B, k)
+        start = torch.tensor([self.bases[r].length + len(self.cols[r]) for r in range(buf.rows)])
+        pos = start[:, None] + torch.arange(k)                                            # (B, k)
+        self.mask[:, col: col + k] = 1
+        step_mask = self.mask[:, : col + k].to(model.device) if self.padded else None
         logits = model.forward(ids.to(model.device), step_mask, pos.to(model.device),
-                               as_cache(buf))                                            # (B, V)
-        buf.length += 1
+                               as_cache(buf), logits=True if which == "last" else "all")
+        buf.length += k
         for r in range(buf.rows):
-            (self.cols if r in fed else self.junk)[r].append(col)
-        self.backend.count(decode_tokens=len(slots))
-        return logits[[self.row_of[s] for s in slots]]                                  # (N, V)
+            n = len(fed.get(r, ()))
+            self.cols[r].extend(range(col, col + n))
+            self.junk[r].extend(range(col + n, col + k))
+        self.backend.count(decode_tokens=sum(map(len, fed.values())))
+        return logits
 
     def truncate(self, slot: int, length: int) -> None:
         row = self.row_of[slot]

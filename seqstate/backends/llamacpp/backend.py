@@ -132,7 +132,8 @@ class LlamaCppBackend:
                                          batching=True, exact=False, max_rows=n_seq_max - 2,
                                          own_threads=True)
         self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens_reused": 0,
-                         "forward_calls": 0}
+                         "forward_calls": 0, "draft_tokens_accepted": 0,
+                         "draft_tokens_rejected": 0}
         self.lock = threading.RLock()
         self._batches: weakref.WeakSet[LlamaCppBatch] = weakref.WeakSet()
 

@@ -76,24 +76,33 @@ class LlamaCppBatch:
 
     def forward(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         """Feed ``tokens[j]`` to ``slots[j]`` in one ``llama_decode``; logits (len(slots), V)."""
+        return torch.cat(self.extend(slots, [[t] for t in tokens]))
+
+    def extend(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Feed ``feeds[j]`` to ``slots[j]`` in one ``llama_decode`` (chunks of ``n_batch``);
+        logits ``(len(feeds[j]), V)`` per slot."""
         with self._backend.lock:
-            if len(slots) != len(tokens) or len(set(slots)) != len(slots):
-                raise ValueError(f"expected distinct slots and one token per slot, got slots "
-                                 f"{list(slots)} and {len(tokens)} tokens")
+            if len(slots) != len(feeds) or len(set(slots)) != len(slots) \
+                    or not all(len(f) for f in feeds):
+                raise ValueError(f"expected distinct slots and tokens for each, got slots "
+                                 f"{list(slots)} and {len(feeds)} feeds")
             rows = [self._slot(s) for s in slots]
             n_ctx = self._backend.n_ctx
-            for slot, s in zip(slots, rows):
-                if s.length >= n_ctx:
+            for slot, s, f in zip(slots, rows, feeds):
+                if s.length + len(f) > n_ctx:
                     raise ContextOverflowError(
-                        f"slot {slot} already holds {s.length} tokens, the llama.cpp context's "
-                        f"n_ctx={n_ctx}; create the backend with a larger n_ctx")
+                        f"slot {slot} holds {s.length} tokens and {len(f)} more do not fit the "
+                        f"llama.cpp context's n_ctx={n_ctx}; create the backend with a larger "
+                        "n_ctx")
             seqs = [self._own(s) for s in rows]
-            logits = self._backend._run(list(tokens), [s.length for s in rows], seqs,
-                                        [True] * len(rows))
-            for s in rows:
-                s.length += 1
-            self._backend.count(decode_tokens=len(rows))
-            return logits
+            tokens = [t for f in feeds for t in f]
+            positions = [s.length + j for s, f in zip(rows, feeds) for j in range(len(f))]
+            owners = [seq for seq, f in zip(seqs, feeds) for _ in f]
+            logits = self._backend._run(tokens, positions, owners, [True] * len(tokens))
+            for s, f in zip(rows, feeds):
+                s.length += len(f)
+            self._backend.count(decode_tokens=len(tokens))
+            return list(logits.split([len(f) for f in feeds]))
 
     def length(self, slot: int) -> int:
         return self._slot(slot).length
