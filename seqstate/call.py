@@ -131,12 +131,6 @@ class Call:
 
     @property
     def stops(self) -> StopMatcher | None:
-        if not isinstance(self.speculate, bool):
-            raise ArgumentError(f"speculate must be True or False, got {self.speculate!r}")
-        if self.name is not None and not (isinstance(self.name, str) and self.name):
-            raise ArgumentError(f"name must be a non-empty str (the capture's name), got {self.name!r}")
-        if self.progress is not None and not isinstance(self.progress, bool):
-            raise ArgumentError(f"progress must be True, False or None (automatic), got {self.progress!r}")
         stops = self._stop_list()
         return StopMatcher(stops) if stops else None
 
