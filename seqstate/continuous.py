@@ -1,6 +1,6 @@
 """Generators that take a prompt or a state and return a new ``SequenceState``.
 
-``ss.text``, ``ss.choice``, ``ss.regex``, ``ss.json`` and ``ss.cfg`` build a :class:`Generator`;
+``ss.text``, ``ss.choice``, ``ss.regex``, ``ss.json`` and ``ss.cfg`` build a `Generator`;
 ``ss.continuous`` wraps an outlines 1.x generator or ``(model, output_type)``.  Each call
 constrains only the new suffix, so generators mix freely on one state.
 """
@@ -304,7 +304,7 @@ class Generator:
         start of a stop string (or, for hooks with a ``lookback``, text they may still roll
         back); concatenated, a row's chunks equal its generated text without the stop string.
         A 1x1 state yields ``str`` chunks, a larger one ``(batch, sample, str)`` tuples.
-        :func:`final_state` drains the iterator and returns the state.
+        `final_state()` drains the iterator and returns the state.
         """
         call = Call.of(locals(), unknown)
         return self._stream(prompt, call, resume=False)

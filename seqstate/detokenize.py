@@ -37,7 +37,7 @@ class TokenVocabulary:
 
     Parameters
     ----------
-    tokenizer:
+    tokenizer : transformers.PreTrainedTokenizerFast
         A ``transformers`` fast tokenizer.
 
     Examples

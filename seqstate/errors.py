@@ -1,6 +1,6 @@
 """The seqstate error hierarchy.
 
-Every error subclasses :class:`SeqStateError` and the matching built-in, so callers can catch
+Every error subclasses `SeqStateError` and the matching built-in, so callers can catch
 either.  Messages say what was expected, what was got, and what to do instead.
 """
 

@@ -48,7 +48,7 @@ class Rollback:
     the first dropped position with the token that stood there banned.
 
     ``Rollback(0)`` drops only the sampled token: the same as ``Resample()``.  A negative or
-    non-int ``n`` is a :class:`~seqstate.HookError`.
+    non-int ``n`` is a `HookError`.
     """
 
     n: int
@@ -67,13 +67,20 @@ class SampleEvent:
 
     Attributes
     ----------
-    row: index of the row in the call (batch-major).
-    position: index the token would take in the row.
-    token, logprob: the sampled token and its log-prob under the model.
-    logits: the model's logits (V,) at this position (read-only: a view).
-    text: this call's generated text before the token; ``token_text`` is the token's text.
-    generated: this call's accepted tokens so far; ``offsets[i]`` is where token i starts in text.
-    prompt: the row's text before this call (a phrase may begin there and end in ``text``).
+    row
+        index of the row in the call (batch-major).
+    position
+        index the token would take in the row.
+    token, logprob
+        the sampled token and its log-prob under the model.
+    logits
+        the model's logits (V,) at this position (read-only: a view).
+    text
+        this call's generated text before the token; ``token_text`` is the token's text.
+    generated
+        this call's accepted tokens so far; ``offsets[i]`` is where token i starts in text.
+    prompt
+        the row's text before this call (a phrase may begin there and end in ``text``).
     """
 
     __slots__ = ("row", "position", "token", "logprob", "logits", "text", "token_text",
@@ -112,7 +119,7 @@ class Hook(Protocol):
 
 
 class _BanPhrases:
-    """The hook behind :func:`ban_phrases` (a callable object so streams can read ``lookback``)."""
+    """The hook behind `ban_phrases()` (a callable object so streams can read ``lookback``)."""
 
     def __init__(self, pattern: re.Pattern, lookback: int) -> None:
         self.pattern = pattern
@@ -157,15 +164,33 @@ def ban_phrases(phrases: Sequence[str], *, regex: bool = False, ignore_case: boo
     Matching runs across token boundaries: when a phrase completes, the row rolls back to the
     token where it started (KV and constraint state included) and resamples there with that
     token banned.  A regex, choice or JSON constraint that can only produce banned text is
-    reported as a ``ConstraintError`` before generating.  With ``regex=True`` the phrases are regular expressions; ``lookback`` bounds
-    how far back (in characters) a match may start.
+    reported as a ``ConstraintError`` before generating.
+
+    Parameters
+    ----------
+    phrases : list of str
+        The phrases (or, with ``regex=True``, regular expressions) to keep out of the text.
+    regex : bool, default False
+        Read ``phrases`` as regular expressions.
+    ignore_case : bool, default True
+        Match without regard to case.
+    lookback : int, default 200
+        For regular expressions: how far back (in characters) a match may start.  Plain
+        phrases need no more than the longest phrase's length, which is what they use.
+
+    Returns
+    -------
+    callable
+        The hook; its ``lookback`` attribute tells streams how much text it may still roll
+        back.
 
     Examples
     --------
     >>> import seqstate as ss
-    >>> hook = ss.hooks.ban_phrases(["tapestry", "delve"])
-    >>> hook.lookback
+    >>> ss.hooks.ban_phrases(["tapestry", "delve"]).lookback     # the longest phrase
     8
+    >>> ss.hooks.ban_phrases([r"\bdelv\w*"], regex=True).lookback
+    200
     """
     if isinstance(phrases, str) or not phrases or not all(isinstance(p, str) and p for p in phrases):
         raise ConstraintError(f"ban_phrases needs a non-empty list of non-empty strings, got {phrases!r}")

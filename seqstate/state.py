@@ -90,7 +90,7 @@ def _nested(flat: list, batch: int, samples: int) -> list[list]:
 class SequenceState:
     """An immutable batch of token sequences, ``(batch, samples)`` rows, with their KV.
 
-    Build one with a generator (``ss.text(model)("prompt")``), :func:`from_tokens` or
+    Build one with a generator (``ss.text(model)("prompt")``), `from_tokens()` or
     ``ss.chat(model)``.  Every operation returns a new state; the KV of shared prefixes is
     shared, never copied.
 
@@ -179,7 +179,7 @@ class SequenceState:
     @property
     def captures(self) -> Captures:
         """Named calls' values: ``state.captures["answer"]`` (also ``state["answer"]``), per row
-        like :attr:`value`; ``None`` for a row without that capture."""
+        like `value`; ``None`` for a row without that capture."""
         return Captures(self)
 
     @property

@@ -1,4 +1,4 @@
-"""Engines behind the generators, all speaking the protocol in :mod:`seqstate.backends.base`.
+"""Engines behind the generators, all speaking the protocol in `seqstate.backends.base`.
 
 ``hf`` is the reference (a transformers model, exact in fp32); ``llamacpp`` runs GGUF files
 through llama.cpp with KV shared inside llama.cpp's own sequences.

@@ -30,15 +30,22 @@ class Capabilities:
 
     Attributes
     ----------
-    name: the engine's name, for messages (``"hf"``, ``"llama.cpp"``).
-    full_logits: next-token logits over the whole vocabulary (needed for masks, hooks, beams).
-    prefix_sharing: token-level KV sharing between rows (forks store a prefix once).
-    batching: several rows run in one forward.
-    exact: logits equal a fresh fp32 evaluation to fp32 noise (the exactness reference).
-    max_rows: most working rows one batch can hold at once (None: no fixed limit).
-    own_threads: the engine computes on CPU threads of its own, so the sampling step (torch
-        ops over a few rows of logits) runs single-threaded on the scheduler's worker instead
-        of waking torch's thread team to compete with the engine's (measured on 2 cores:
+    name
+        the engine's name, for messages (``"hf"``, ``"llama.cpp"``).
+    full_logits
+        next-token logits over the whole vocabulary (needed for masks, hooks, beams).
+    prefix_sharing
+        token-level KV sharing between rows (forks store a prefix once).
+    batching
+        several rows run in one forward.
+    exact
+        logits equal a fresh fp32 evaluation to fp32 noise (the exactness reference).
+    max_rows
+        most working rows one batch can hold at once (None: no fixed limit).
+    own_threads
+        the engine computes on CPU threads of its own, so the sampling step (torch ops
+        over a few rows of logits) runs single-threaded on the scheduler's worker instead of
+        waking torch's thread team to compete with the engine's (measured on 2 cores:
         llama.cpp decode 10-20% slower per token with torch's team spinning beside it).
     """
 
@@ -90,7 +97,7 @@ class Batch(Protocol):
 
         Returns, per slot, float32 logits ``(len(feeds[j]), V)``: the next-token logits after
         each fed token.  Each slot's KV grows by ``len(feeds[j])``; speculation verifies a
-        draft this way and :meth:`truncate`\ s what the sampler did not accept.
+        draft this way and `truncate()`\ s what the sampler did not accept.
         """
         ...
 

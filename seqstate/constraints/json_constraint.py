@@ -1,6 +1,6 @@
 """JSON-schema constraints: llguidance's grammar, then ``jsonschema`` on every finished value.
 
-The schema is prepared (:mod:`json_schema`) and compiled by llguidance into a grammar that
+The schema is prepared (`json_schema`) and compiled by llguidance into a grammar that
 allows every valid value and, where the grammar cannot say it all, a few more; the complete
 text is then validated against the original schema, and a value that fails is never parsed.
 """
@@ -100,7 +100,7 @@ class JsonConstraint(GrammarConstraint):
     ``validated`` lists what the grammar may allow too much of, which validation checks
     (keyword and JSON pointer): among them every ``oneOf``, generated as ``anyOf``.
     ``validate(text)`` is None for a valid complete value, else why not; ``parse`` raises
-    ``ValueError`` for an invalid one.  Options are described in :func:`compile.json_schema`.
+    ``ValueError`` for an invalid one.  Options are described in `compile.json_schema()`.
 
     Examples
     --------

@@ -1,9 +1,9 @@
 """JSON schemas prepared for llguidance: what the grammar enforces and what is validated after.
 
-llguidance compiles most of JSON Schema exactly.  :func:`prepare` rewrites a copy of the schema
+llguidance compiles most of JSON Schema exactly.  `prepare()` rewrites a copy of the schema
 before it sees it:
 
-- string ``format``s are enforced as patterns (:mod:`json_formats`); formats nobody knows are
+- string ``format``s are enforced as patterns (`json_formats`); formats nobody knows are
   annotations, as the specification says, and are dropped;
 - keywords that a grammar cannot express (:data:`VALIDATED`) are dropped, so the grammar allows a
   superset; every finished value is validated against the *original* schema, so the superset
@@ -174,7 +174,7 @@ def _distribute_type(node: dict) -> dict:
     """``{"anyOf": [A, B], "type": T}`` as ``{"anyOf": [A and T, B and T]}`` (also ``oneOf``).
 
     The two are equivalent, and llguidance cannot intersect a sibling ``type`` with branches
-    that are recursive references; :meth:`_Rewriter._follow` then folds ``T`` into each target.
+    that are recursive references; `_Rewriter._follow()` then folds ``T`` into each target.
     """
     for key in ("anyOf", "oneOf"):
         if (not isinstance(node.get(key), list) or "type" not in node

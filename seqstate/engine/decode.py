@@ -1,4 +1,4 @@
-"""Generator calls as scheduler jobs: forward the live rows, then the :class:`Stepper`."""
+"""Generator calls as scheduler jobs: forward the live rows, then the `Stepper`."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def generate(model, requests: Sequence[RowRequest], sampler: Sampler,
              rng: torch.Generator | None = None, hooks: Sequence = (),
              max_backtracks: int = DEFAULT_MAX_BACKTRACKS, speculate: bool = True
              ) -> list[RowResult]:
-    """Continue every row to completion; see :func:`run`."""
+    """Continue every row to completion; see `run()`."""
     steps = run(model, requests, sampler, rng, hooks, max_backtracks, speculate=speculate)
     while True:
         try:

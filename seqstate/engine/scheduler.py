@@ -1,6 +1,6 @@
 """Continuous batching: generator calls from any number of threads share decode steps.
 
-Each model has one :class:`Scheduler`.  A call becomes a :class:`Job` (its rows, its own
+Each model has one `Scheduler`.  A call becomes a `Job` (its rows, its own
 sampler, RNG, hooks and stop strings); a worker thread runs one step at a time for every
 active job: newcomers join the batch (their prefixes prefilled through the store), then a
 single forward feeds every live row of every job, and each job samples its own rows from its
@@ -45,7 +45,7 @@ class Job:
         raise NotImplementedError
 
     def joined(self, slots: list[int]) -> None:
-        """This job's rows are in the batch, in ``slots`` (one per row of :meth:`needs`)."""
+        """This job's rows are in the batch, in ``slots`` (one per row of `needs()`)."""
         raise NotImplementedError
 
     def start(self, batch) -> None:

@@ -1,6 +1,6 @@
 """One decoding step after the forward: constrain -> sample -> hooks -> accept.
 
-:class:`Stepper` is the engine's own step, usable on its own: feed it logits you computed
+`Stepper` is the engine's own step, usable on its own: feed it logits you computed
 (``stepper.step(logits)``) and reuse sampling, constraints, hooks, stop strings and
 detokenization.  It knows nothing about KV.
 """
@@ -53,10 +53,10 @@ class Stepper:
 
     Parameters
     ----------
-    model:
+    model : Model
         Supplies the vocabulary and EOS ids.
-    requests:
-        One :class:`~seqstate.engine.RowRequest` per row (or plain token lists, unconstrained,
+    requests : list of RowRequest or of token lists
+        One `RowRequest` per row (or plain token lists, unconstrained,
         with ``max_new`` 64).
 
     Examples

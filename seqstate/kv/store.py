@@ -1,8 +1,8 @@
 """A token-level radix tree of immutable KV segments, one per model.
 
-A :class:`Segment` holds the keys and values of a span of tokens for every layer, as one tensor
+A `Segment` holds the keys and values of a span of tokens for every layer, as one tensor
 ``(layers, 2, kv_heads, n, head_dim)``, and hangs off its parent after ``offset`` of the parent's
-tokens.  A :class:`KVHandle` names a prefix of the path from the root to a segment; states hold
+tokens.  A `KVHandle` names a prefix of the path from the root to a segment; states hold
 handles, so slicing back is a handle to an earlier position (a view) and forking shares one.
 
 Any token sequence is matched against the tree, so a prefix computed for one state is reused by
@@ -121,7 +121,7 @@ class KVStore:
 
     Parameters
     ----------
-    budget_bytes:
+    budget_bytes : int
         Unpinned segments are evicted (LRU, leaves first) while the store holds more than this.
     """
 

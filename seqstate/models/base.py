@@ -20,11 +20,17 @@ __all__ = ["BaseModel", "Stats"]
 class Stats:
     """A snapshot of a model's work counters and KV accounting.
 
-    Subtract two snapshots to see what one call did::
+    Subtract two snapshots to see what one call did.
 
-        before = model.stats
-        text("Hello", max_tokens=4)
-        (model.stats - before).prefill_tokens
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> model = ss.models.testing.tiny()
+    >>> before = model.stats
+    >>> s = ss.text(model)("Hello there", max_tokens=4)
+    >>> used = model.stats - before
+    >>> used.decode_tokens >= 1 and used.forward_calls >= 1
+    True
     """
 
     prefill_tokens: int = 0          # tokens whose KV was computed in a prefill forward

@@ -16,16 +16,18 @@ __all__ = ["Model"]
 class Model(BaseModel):
     """A causal LM with its tokenizer, KV store, compiled-constraint cache and counters.
 
-    Build one with :func:`seqstate.models.default`, :func:`~seqstate.models.transformers`,
-    :func:`~seqstate.models.from_hf` or :func:`~seqstate.models.from_outlines`.
+    Build one with `seqstate.models.default()`, `transformers()`,
+    `from_hf()` or `from_outlines()`.
 
     Parameters
     ----------
-    hf_model, hf_tokenizer:
-        A ``transformers`` causal LM (in eval mode) and its fast tokenizer.
-    kv_budget_bytes:
+    hf_model : transformers.PreTrainedModel
+        A ``transformers`` causal LM (put in eval mode).
+    hf_tokenizer : transformers.PreTrainedTokenizerFast
+        Its fast tokenizer.
+    kv_budget_bytes : int
         Byte budget of the KV store's cache of unreferenced segments.
-    name:
+    name : str, optional
         A label shown in reprs and error messages.
     """
 

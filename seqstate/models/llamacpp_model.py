@@ -25,15 +25,15 @@ class LlamaCppModel(BaseModel):
 
     Parameters
     ----------
-    path:
+    path : str or os.PathLike
         The GGUF file.
-    hf_tokenizer:
+    hf_tokenizer : transformers.PreTrainedTokenizerFast
         A ``transformers`` fast tokenizer for the same vocabulary.
-    n_ctx:
+    n_ctx : int, default 4096
         KV cells shared by every stored state and working row (the KV budget).
-    n_threads:
+    n_threads : int or None
         CPU threads (default: every core this process may use).
-    n_seq_max:
+    n_seq_max : int, default 64
         llama.cpp sequences (at most 256): stored branch tips plus working rows.
     """
 

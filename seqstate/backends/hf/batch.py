@@ -15,7 +15,7 @@ __all__ = ["HFBatch"]
 
 
 class HFBatch:
-    """Rows' KV side by side in one :class:`KVBuffer`, each row's prefix right-aligned.
+    """Rows' KV side by side in one `KVBuffer`, each row's prefix right-aligned.
 
     Every forward takes one buffer column for all buffer rows.  A row not fed (finished,
     waiting, or released) rides along; that column is junk and is masked out if the row is

@@ -1,11 +1,11 @@
 """The llama.cpp engine: KV lives in llama.cpp, shared token by token through its sequences.
 
-:class:`LlamaCppBackend` implements :class:`seqstate.backends.base.Backend` over
+`LlamaCppBackend` implements `seqstate.backends.base.Backend` over
 llama-cpp-python's low-level ctypes API.  The context uses a *unified* KV cache, where a cell
 carries a set of sequence ids and ``llama_memory_seq_cp`` only tags cells: forking a row is
 metadata, and a prefix shared by any number of rows and stored states occupies its cells once.
-Stored paths live in :class:`~seqstate.backends.llamacpp.store.SeqStore`, a radix tree whose
-branch tips are carried by llama.cpp sequences; working rows (:class:`LlamaCppBatch` slots) are
+Stored paths live in `SeqStore`, a radix tree whose
+branch tips are carried by llama.cpp sequences; working rows (`LlamaCppBatch` slots) are
 further sequences forked from them.  Every fed row of a step runs in one ``llama_decode``.
 
 Exactness (SmolLM2-135M-Instruct Q4_1, x86 CPU, llama-cpp-python 0.3.36)
@@ -18,7 +18,7 @@ Exactness (SmolLM2-135M-Instruct Q4_1, x86 CPU, llama-cpp-python 0.3.36)
     and the matmuls are batch-invariant, so a row's logits do not depend on its batch:
 
     - forked, sliced, extended, truncated-and-refed and batched rows are bit-identical to
-      :meth:`LlamaCppBackend.fresh_logits` (max abs difference 0.0), as are :meth:`score`'s
+      `LlamaCppBackend.fresh_logits()` (max abs difference 0.0), as are `score()`'s
       log-probs, as long as every token's KV was computed with its row's cells in position
       order, which holds until freed cells (released rows, rollbacks, evictions) are reused;
     - a row whose later tokens land in lower cells than earlier ones is summed in another order:
@@ -86,16 +86,16 @@ class LlamaCppBackend:
 
     Parameters
     ----------
-    path:
+    path : str or os.PathLike
         A GGUF model file.
-    n_ctx:
+    n_ctx : int, default 4096
         KV cells of the unified cache, shared by every stored state and working row.
-    n_threads:
+    n_threads : int or None
         CPU threads (default: the cores this process may use).
-    n_seq_max:
-        llama.cpp sequences (at most 256): one is kept for :meth:`fresh_logits`, the others
+    n_seq_max : int, default 64
+        llama.cpp sequences (at most 256): one is kept for `fresh_logits()`, the others
         carry stored paths (one per branch tip) and working rows (one per row).
-    n_batch:
+    n_batch : int, default 512
         Most tokens one ``llama_decode`` takes; longer prefills run in several.
 
     Examples

@@ -36,7 +36,7 @@ class LlamaCppBatch:
 
     A slot either owns a sequence or *borrows* a stored handle: rows join borrowing the
     stored KV of their prefix and get a sequence of their own (a fork: cells are shared, not
-    copied) on their first forward or truncation.  :meth:`commit` of a slot's whole KV hands
+    copied) on their first forward or truncation.  `commit()` of a slot's whole KV hands
     its sequence to the store and leaves the slot borrowing the stored path, so a finished row
     costs no sequence id, and a later fork of it costs none either until it is fed.
     """

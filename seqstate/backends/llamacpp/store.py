@@ -2,7 +2,7 @@
 
 With a *unified* KV cache every cell of llama.cpp's cache carries a set of sequence ids, and
 ``seq_cp`` only adds an id to cells (no data is copied).  The store keeps a radix tree of token
-spans, as :mod:`seqstate.kv.store` does for torch segments: a :class:`Node` hangs off its parent
+spans, as `seqstate.kv.store` does for torch segments: a `Node` hangs off its parent
 after ``offset`` of the parent's tokens.  Its KV is not held in Python but in cells tagged with
 llama.cpp sequence ids, the *carriers*:
 
@@ -13,9 +13,9 @@ llama.cpp sequence ids, the *carriers*:
 So every stored token sits in cells tagged by every carrier whose path goes through it, and a
 prefix shared by eight stored rows occupies its cells once.  Sequence ids are a small pool
 (``n_seq_max``) shared between carriers and the engine's working rows, which borrow ids with
-:meth:`SeqStore.acquire` and hand them back with :meth:`SeqStore.release` or :meth:`SeqStore.insert`.
+`SeqStore.acquire()` and hand them back with `SeqStore.release()` or `SeqStore.insert()`.
 
-Handles (:class:`SeqHandle`) pin a node like :class:`seqstate.kv.store.KVHandle` pins a segment.
+Handles (`SeqHandle`) pin a node like `seqstate.kv.store.KVHandle` pins a segment.
 Unpinned leaves are evicted least-recently-used when sequence ids or cells run out; evicting a
 leaf hands its carrier, cut back, to a parent that would otherwise lose its last carrier, so a
 pinned handle's tokens always stay in some carrier.
@@ -117,12 +117,12 @@ class SeqStore:
 
     Parameters
     ----------
-    memory:
+    memory : Memory
         The llama.cpp memory the carriers live in.
-    seq_ids:
+    seq_ids : iterable of int
         The sequence ids this store may use (for carriers and for the rows it lends out).
-    overflow_hint:
-        Appended to :class:`ContextOverflowError` messages: what to enlarge.
+    overflow_hint : str
+        Appended to `ContextOverflowError` messages: what to enlarge.
 
     Examples
     --------

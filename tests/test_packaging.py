@@ -1,0 +1,40 @@
+"""The dependency bounds pyproject.toml declares are the versions the tests run on."""
+
+import importlib.metadata as md
+import pathlib
+import re
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def pins() -> dict[str, str]:
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    found = (re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)", ln.strip()) for ln in lines)
+    return {m.group(1).lower(): m.group(2) for m in found if m}
+
+
+def declared() -> dict[str, str]:
+    """Each dependency's declared lower bound (extras included)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    specs = list(project["dependencies"]) + project["optional-dependencies"]["llamacpp"]
+    bounds = {}
+    for spec in specs:
+        m = re.match(r"([A-Za-z0-9_.-]+)\s*>=\s*([^,\s]+)", spec)
+        assert m, f"{spec!r} declares no lower bound"
+        bounds[m.group(1).lower()] = m.group(2)
+    return bounds
+
+
+def test_every_lower_bound_is_the_tested_version():
+    assert declared() == pins()
+
+
+def test_the_environment_runs_the_lower_bounds():
+    for name, version in pins().items():
+        try:
+            installed = md.version(name)
+        except md.PackageNotFoundError:
+            assert name == "llama-cpp-python", f"{name} is not installed"
+            continue
+        assert installed.split("+")[0] == version, f"{name} {installed}, constraints.txt {version}"
