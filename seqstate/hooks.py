@@ -187,7 +187,7 @@ def ban_phrases(phrases: Sequence[str], *, regex: bool = False, ignore_case: boo
     Examples
     --------
     >>> import seqstate as ss
-    >>> ss.hooks.ban_phrases(["tapestry", "delve"]).lookback     # the longest phrase
+    >>> ss.hooks.ban_phrases(["tapestry", "delve"]).lookback  # longest phrase
     8
     >>> ss.hooks.ban_phrases([r"\bdelv\w*"], regex=True).lookback
     200

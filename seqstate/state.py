@@ -20,7 +20,24 @@ __all__ = ["SequenceState", "Row", "Span", "Axis", "TokenAxis", "Captures", "fro
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Span:
-    """One generator call's tokens ``[start, end)`` in a row, and what it produced."""
+    """One generator call's tokens ``[start, end)`` in a row, and what it produced.
+
+    Attributes
+    ----------
+    start, end : int
+        The call's tokens in the row: ``row.tokens[start:end]``.
+    generator : Generator
+        The generator that made them.
+    finish_reason : str
+        Why the call ended (see `SequenceState.finish_reason`).
+    value : object
+        What the call produced: its text, the chosen option, the parsed JSON; None when a
+        constrained call did not complete or the span was cut by slicing.
+    scores : dict of str to float, optional
+        Option scoring (``choice(..., method="score")``): every option's score.
+    name : str, optional
+        The call's ``name=``: the capture ``state[name]`` reads.
+    """
 
     start: int
     end: int
@@ -33,7 +50,23 @@ class Span:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Row:
-    """One (batch, sample) row.  ``handle`` names the KV of a prefix of ``tokens`` (or None)."""
+    """One (batch, sample) row.
+
+    Attributes
+    ----------
+    tokens : tuple of int
+        The row's token ids.
+    handle : KVHandle or None
+        The stored KV of a prefix of ``tokens`` (None: none yet).
+    logprobs : tuple of float or None
+        Per token, its log-prob when the model generated it, else None.
+    cursors : tuple of Cursor or None
+        Per token, the constraint state after it (None outside constrained calls).
+    spans : tuple of Span
+        The generator calls that produced parts of the row.
+    chat : Chat or None
+        The conversation, for rows made by ``ss.chat`` (see `seqstate.chat`).
+    """
 
     tokens: tuple[int, ...]
     handle: KVHandle | None
@@ -160,6 +193,7 @@ class SequenceState:
 
     @property
     def token_ids(self) -> list[list[list[int]]]:
+        """Token ids, nested ``[batch][sample]`` (no padding: rows keep their lengths)."""
         return _nested([list(r.tokens) for r in self.rows], self.n_batch, self.n_samples)
 
     @property

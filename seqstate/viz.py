@@ -12,7 +12,8 @@ import html
 
 __all__ = ["tree", "Tree"]
 
-_BOX_W, _BOX_H, _GAP_X, _GAP_Y, _CHARS = 190, 34, 40, 14, 26
+_BOX_W, _BOX_H, _GAP_X, _GAP_Y = 200, 48, 36, 14
+_CHARS = 28            # monospace characters per label line at font-size 11 in a box
 
 
 @dataclasses.dataclass
@@ -51,9 +52,15 @@ class Tree:
         for i, row in enumerate(state.rows):
             _insert(self.root, row.tokens, i)
 
-    def _label(self, node: _Node) -> str:
+    def _label(self, node: _Node) -> list[str]:
+        """The span's text in at most two box-wide lines, broken between words; a longer
+        text keeps its start and end with an ellipsis between."""
         text = self.state.model.vocab.decode(node.tokens).replace("\n", "⏎")
-        return text if len(text) <= _CHARS else text[: _CHARS - 12] + "…" + text[-11:]
+        lines = _wrap(text)
+        if len(lines) <= 2:
+            return lines
+        tail = _wrap(text[-_CHARS:])[-1]
+        return [lines[0], "… " + tail if len(tail) <= _CHARS - 2 else "…" + tail[-_CHARS + 1:]]
 
     def _stored(self, node: _Node, prefix: tuple[int, ...]) -> bool:
         full = prefix + tuple(node.tokens)
@@ -76,12 +83,14 @@ class Tree:
             x = depth * (_BOX_W + _GAP_X)
             fill = "#cfe3ff" if self._stored(node, prefix) else "#e6e6e6"
             tags = " ".join(f"[{r // self.state.n_samples},{r % self.state.n_samples}]" for r in node.rows)
+            label = "".join(
+                f'<text x="{x + 6}" y="{y + 14 + 13 * i}" font-size="11" '
+                f'font-family="monospace" xml:space="preserve">{html.escape(line)}</text>'
+                for i, line in enumerate(self._label(node)))
             boxes.append(
                 f'<rect x="{x}" y="{y}" width="{_BOX_W}" height="{_BOX_H}" rx="5" fill="{fill}" '
-                f'stroke="#456"/><text x="{x + 6}" y="{y + 14}" font-size="11" '
-                f'font-family="monospace">{html.escape(self._label(node))}</text>'
-                f'<text x="{x + 6}" y="{y + 28}" font-size="10" fill="#555">{len(node.tokens)} tok '
-                f'{html.escape(tags)}</text>')
+                f'stroke="#456"/>{label}<text x="{x + 6}" y="{y + 42}" font-size="10" '
+                f'fill="#555">{len(node.tokens)} tok {html.escape(tags)}</text>')
             for cy in child_ys:
                 lines.append(f'<line x1="{x + _BOX_W}" y1="{y + _BOX_H / 2}" x2="{x + _BOX_W + _GAP_X}" '
                              f'y2="{cy + _BOX_H / 2}" stroke="#789"/>')
@@ -106,6 +115,18 @@ class Tree:
         return self.svg()
 
 
+def _wrap(text: str) -> list[str]:
+    """``text`` in lines of at most ``_CHARS`` characters, broken after spaces where a line
+    has one (a word longer than a line is cut)."""
+    lines = []
+    while len(text) > _CHARS:
+        cut = text.rfind(" ", 0, _CHARS + 1)
+        cut = cut + 1 if cut > 0 else _CHARS
+        lines.append(text[:cut].rstrip(" ") or text[:cut])
+        text = text[cut:]
+    return lines + [text] if text or not lines else lines
+
+
 def tree(state) -> Tree:
     """A prefix-tree picture of ``state``'s rows.
 
@@ -113,7 +134,8 @@ def tree(state) -> Tree:
     --------
     >>> import seqstate as ss
     >>> model = ss.models.testing.tiny()
-    >>> s = ss.text(model)("Fork me", num_samples=3, sampler=ss.multinomial(), seed=0, max_tokens=3)
+    >>> s = ss.text(model)("Fork me", num_samples=3, seed=0, max_tokens=3,
+    ...                    sampler=ss.multinomial())
     >>> ss.viz.tree(s).svg().count("<rect") >= 4
     True
     """

@@ -21,7 +21,8 @@ def tiny(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2
     --------
     >>> import seqstate as ss
     >>> a, b = ss.models.testing.tiny(), ss.models.testing.tiny()
-    >>> all((p == q).all() for p, q in zip(a.hf_model.parameters(), b.hf_model.parameters()))
+    >>> pairs = zip(a.hf_model.parameters(), b.hf_model.parameters())
+    >>> all((p == q).all() for p, q in pairs)
     True
     """
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -61,9 +61,9 @@ class Multinomial:
     Examples
     --------
     >>> import seqstate as ss
-    >>> ss.multinomial(temperature=0.7, top_p=0.9, repetition_penalty=1.2)
-    Multinomial(temperature=0.7, top_k=None, top_p=0.9, min_p=None, repetition_penalty=1.2, \
-presence_penalty=0.0, frequency_penalty=0.0)
+    >>> sampler = ss.multinomial(temperature=0.7, top_p=0.9, repetition_penalty=1.2)
+    >>> sampler.top_p, sampler.repetition_penalty, sampler.needs_history
+    (0.9, 1.2, True)
     """
 
     temperature: float = 1.0
