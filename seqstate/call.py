@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -16,7 +17,7 @@ from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS
 from seqstate.errors import ArgumentError
 from seqstate.sampling.params import Greedy, Sampler, _is_int
 
-__all__ = ["Call", "DEFAULT_MAX_TOKENS", "MAX_CONSTRAINED_TOKENS"]
+__all__ = ["Call", "CallOptions", "CALL_PARAMETERS", "DEFAULT_MAX_TOKENS", "MAX_CONSTRAINED_TOKENS"]
 
 DEFAULT_MAX_TOKENS = 256         # free text: new tokens per row when max_tokens is not given
 MAX_CONSTRAINED_TOKENS = 4096    # a constrained call runs to completion, but no further
@@ -47,6 +48,67 @@ def _warn(message: str) -> None:
     warnings.warn(message, UserWarning, stacklevel=level)
 
 
+class CallOptions(TypedDict, total=False):
+    """The keywords every generator call takes (``gen(prompt, **call)``, ``gen.stream``,
+    ``gen.resume``, ``gen.acall``), typed for IDEs as ``**call: Unpack[CallOptions]``.
+
+    Their defaults and checks live in `Call`; the call methods' signatures show them.
+    Any other keyword is an ``ss.ArgumentError`` naming seqstate's spelling of it
+    (``max_new_tokens`` -> ``max_tokens``, ``temperature`` ->
+    ``ss.multinomial(temperature=...)``).
+
+    Attributes
+    ----------
+    max_tokens : int or None, default None
+        Most new tokens per row.  None: 256 for free text; a constrained call
+        runs until its constraint completes, bounded by 4096 tokens (and the
+        context).  A row that reaches the bound finishes with ``"max_tokens"``.
+    stop_at : str, list of str or None, default None
+        Stop a row right after one of these appears in its new text (the state's text keeps
+        it; ``value`` does not).
+    num_samples : int or None, default None
+        Fork each batch item into this many samples; None keeps the state's samples.
+    sampler : Sampler, default ss.greedy()
+        ``ss.greedy()``, ``ss.multinomial(...)`` or ``ss.beam_search(width)``.
+    seed : int or None, default None
+        Seed of this call's own random generator (sampled calls are reproducible).
+    rng : torch.Generator or None, default None
+        A generator to draw from instead of ``seed``.
+    hooks : list of callables, default ()
+        Post-sampling hooks, called with a ``SampleEvent`` per sampled token (see ``ss.hooks``).
+    token_healing : bool, default False
+        Back up the prompt's last tokens and let the call re-spell them.
+    max_backtracks : int, default 32
+        Most rollbacks hooks may ask for per row before it finishes with ``"max_backtracks"``.
+    speculate : bool, default True
+        Constraint-guided speculation: text a constraint forces is drafted in its canonical
+        tokens and verified by the model in one forward; the sampler's own choice is kept at
+        every position, so the output is the same as without it.  False decodes token by token.
+    name : str or None, default None
+        Record this call's value as a named capture: ``state[name]``.
+    progress : bool or None, default None
+        A progress bar on standard error: None shows one when it is a terminal and the call
+        runs longer than 2 s (``SEQSTATE_PROGRESS=0`` turns it off); True always; False never.
+    """
+
+    max_tokens: int | None
+    stop_at: str | Sequence[str] | None
+    num_samples: int | None
+    sampler: Sampler
+    seed: int | None
+    rng: torch.Generator | None
+    hooks: Sequence[Callable]
+    token_healing: bool
+    max_backtracks: int
+    speculate: bool
+    name: str | None
+    progress: bool | None
+
+
+CALL_PARAMETERS = "Parameters\n----------\n" + inspect.cleandoc(
+    CallOptions.__doc__.split("----------\n", 1)[1])
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Call:
     """The keywords of one generator call, declared once and validated before any compute."""
@@ -65,12 +127,12 @@ class Call:
     progress: bool | None = None
 
     @classmethod
-    def of(cls, kwargs: Mapping[str, Any], unknown: Mapping[str, Any] = {}) -> Call:
-        """A call from user keywords (``kwargs`` may hold other names, e.g. a method's
-        ``locals()``: only the call's own are taken); a keyword in ``unknown`` is an error
-        that names seqstate's spelling of it."""
+    def of(cls, kwargs: Mapping[str, Any]) -> Call:
+        """A call from user keywords; an unknown keyword names seqstate's spelling of it."""
         known = {f.name for f in dataclasses.fields(cls)}
-        for name in unknown:
+        for name in kwargs:
+            if name in known:
+                continue
             hint = _OTHER_SPELLINGS.get(name)
             if hint is None:
                 close = difflib.get_close_matches(name, known, n=1)
@@ -78,7 +140,14 @@ class Call:
             raise ArgumentError(f"unknown keyword {name!r}"
                                 + (f"; seqstate spells it {hint}" if hint else "")
                                 + f". A generator call takes: {', '.join(sorted(known))}")
-        return cls(**{k: v for k, v in kwargs.items() if k in known})
+        return cls(**kwargs)
+
+    @classmethod
+    def parameters(cls) -> list[inspect.Parameter]:
+        """The keywords as keyword-only parameters, with their types and defaults: what the
+        call methods' signatures show (``help(gen)``, notebooks)."""
+        return [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                  annotation=f.type) for f in dataclasses.fields(cls)]
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and not (_is_int(self.max_tokens) and self.max_tokens > 0):

@@ -13,12 +13,13 @@ import enum
 import inspect
 import typing
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 
-from seqstate.call import DEFAULT_MAX_TOKENS, MAX_CONSTRAINED_TOKENS, Call
+from seqstate.call import (CALL_PARAMETERS, DEFAULT_MAX_TOKENS, MAX_CONSTRAINED_TOKENS, Call,
+                           CallOptions)
 from seqstate.constraints import compile as compiled
 from seqstate.constraints.healing import HealingCursor, heal_span
 from seqstate.constraints.regex import RegexConstraint
@@ -26,57 +27,21 @@ from seqstate.engine import RowRequest, RowResult, run
 from seqstate.errors import ConstraintError, ContextOverflowError, ModelMismatch, SampleMismatch
 from seqstate.models.base import BaseModel as Model
 from seqstate.engine.beam import beam_run
-from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS
 from seqstate.progress import progress_bar
-from seqstate.sampling.params import BeamSearch, Greedy, Sampler
+from seqstate.sampling.params import BeamSearch
 from seqstate.state import Row, SequenceState, Span
 
 __all__ = ["Generator", "text", "choice", "regex", "json", "cfg", "continuous", "final_state"]
 
 Prompt = str | Sequence[str] | SequenceState
 
-_CALL_PARAMETERS = f"""
-Parameters
-----------
-max_tokens : int or None, default None
-    Most new tokens per row.  None: {DEFAULT_MAX_TOKENS} for free text; a constrained call
-    runs until its constraint completes, bounded by {MAX_CONSTRAINED_TOKENS} tokens (and the
-    context).  A row that reaches the bound finishes with ``"max_tokens"``.
-stop_at : str, list of str or None, default None
-    Stop a row right after one of these appears in its new text (the state's text keeps
-    it; ``value`` does not).
-num_samples : int or None, default None
-    Fork each batch item into this many samples; None keeps the state's samples.
-sampler : Sampler, default ss.greedy()
-    ``ss.greedy()``, ``ss.multinomial(...)`` or ``ss.beam_search(width)``.
-seed : int or None, default None
-    Seed of this call's own random generator (sampled calls are reproducible).
-rng : torch.Generator or None, default None
-    A generator to draw from instead of ``seed``.
-hooks : list of callables, default ()
-    Post-sampling hooks, called with a ``SampleEvent`` per sampled token (see ``ss.hooks``).
-token_healing : bool, default False
-    Back up the prompt's last tokens and let the call re-spell them.
-max_backtracks : int, default {DEFAULT_MAX_BACKTRACKS}
-    Most rollbacks hooks may ask for per row before it finishes with ``"max_backtracks"``.
-speculate : bool, default True
-    Constraint-guided speculation: text a constraint forces is drafted in its canonical
-    tokens and verified by the model in one forward; the sampler's own choice is kept at
-    every position, so the output is the same as without it.  False decodes token by token.
-name : str or None, default None
-    Record this call's value as a named capture: ``state[name]``.
-progress : bool or None, default None
-    A progress bar on standard error: None shows one when it is a terminal and the call
-    runs longer than 2 s (``SEQSTATE_PROGRESS=0`` turns it off); True always; False never.
-
-Any other keyword is an ``ss.ArgumentError`` naming seqstate's spelling of it
-(``max_new_tokens`` -> ``max_tokens``, ``temperature`` -> ``ss.multinomial(temperature=...)``).
-"""
-
-
-def _documented(method: Callable) -> Callable:
-    """Append the call keywords' reference to a call method's docstring."""
-    method.__doc__ = inspect.cleandoc(method.__doc__ or "") + "\n" + _CALL_PARAMETERS
+def _call_method(method: Callable) -> Callable:
+    """Show the call keywords (``Call``'s, with types and defaults) in ``method``'s signature
+    and their reference in its docstring."""
+    sig = inspect.signature(method)
+    head = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    method.__signature__ = sig.replace(parameters=head + Call.parameters())
+    method.__doc__ = inspect.cleandoc(method.__doc__ or "") + "\n\n" + CALL_PARAMETERS
     return method
 
 
@@ -246,58 +211,29 @@ class Generator:
             return None
 
     # -- calls --------------------------------------------------------------------------------
-    # Every call method spells out the keywords (for help() and IDEs); ``Call`` validates them.
-    @_documented
-    def __call__(self, prompt: Prompt, *, max_tokens: int | None = None,
-                 stop_at: str | Sequence[str] | None = None, num_samples: int | None = None,
-                 sampler: Sampler = Greedy(), seed: int | None = None,
-                 rng: torch.Generator | None = None, hooks: Sequence[Callable] = (),
-                 token_healing: bool = False, max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
-                 speculate: bool = True, name: str | None = None,
-                 progress: bool | None = None,
-                 **unknown: Any) -> SequenceState:
+    # The keywords are declared once, in ``Call``; ``_call_method`` shows them in each call
+    # method's signature and docstring, and ``CallOptions`` types them for IDEs.
+    @_call_method
+    def __call__(self, prompt: Prompt, **call: Unpack[CallOptions]) -> SequenceState:
         """Generate from ``prompt`` (a str, a list of str, one per batch item, or a state);
         returns the new state."""
-        call = Call.of(locals(), unknown)
-        return final_state(self._stream(prompt, call, resume=False, chunks=False))
+        return final_state(self._stream(prompt, Call.of(call), resume=False, chunks=False))
 
-    @_documented
-    async def acall(self, prompt: Prompt, *, max_tokens: int | None = None,
-                    stop_at: str | Sequence[str] | None = None, num_samples: int | None = None,
-                    sampler: Sampler = Greedy(), seed: int | None = None,
-                    rng: torch.Generator | None = None, hooks: Sequence[Callable] = (),
-                    token_healing: bool = False, max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
-                    speculate: bool = True, name: str | None = None,
-                    progress: bool | None = None,
-                    **unknown: Any) -> SequenceState:
+    @_call_method
+    async def acall(self, prompt: Prompt, **call: Unpack[CallOptions]) -> SequenceState:
         """``await gen.acall(...)``: the same call from an event loop (it runs on a worker
         thread, so concurrent ``acall``\\ s share decode steps like threads do)."""
-        call = Call.of(locals(), unknown)
+        checked = Call.of(call)
         return await asyncio.to_thread(
-            lambda: final_state(self._stream(prompt, call, resume=False, chunks=False)))
+            lambda: final_state(self._stream(prompt, checked, resume=False, chunks=False)))
 
-    @_documented
-    def resume(self, state: SequenceState, *, max_tokens: int | None = None,
-               stop_at: str | Sequence[str] | None = None, num_samples: int | None = None,
-               sampler: Sampler = Greedy(), seed: int | None = None,
-               rng: torch.Generator | None = None, hooks: Sequence[Callable] = (),
-               token_healing: bool = False, max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
-               speculate: bool = True, name: str | None = None,
-               progress: bool | None = None,
-               **unknown: Any) -> SequenceState:
+    @_call_method
+    def resume(self, state: SequenceState, **call: Unpack[CallOptions]) -> SequenceState:
         """Continue each row's last generator call exactly where the (sliced) state stands."""
-        call = Call.of(locals(), unknown)
-        return final_state(self._stream(state, call, resume=True, chunks=False))
+        return final_state(self._stream(state, Call.of(call), resume=True, chunks=False))
 
-    @_documented
-    def stream(self, prompt: Prompt, *, max_tokens: int | None = None,
-               stop_at: str | Sequence[str] | None = None, num_samples: int | None = None,
-               sampler: Sampler = Greedy(), seed: int | None = None,
-               rng: torch.Generator | None = None, hooks: Sequence[Callable] = (),
-               token_healing: bool = False, max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
-               speculate: bool = True, name: str | None = None,
-               progress: bool | None = None,
-               **unknown: Any) -> Iterator[Any]:
+    @_call_method
+    def stream(self, prompt: Prompt, **call: Unpack[CallOptions]) -> Iterator[Any]:
         """Yield generated text as it is produced; the iterator's return value is the final state.
 
         Chunks never split a character and never contain text that may still turn out to be the
@@ -306,8 +242,7 @@ class Generator:
         A 1x1 state yields ``str`` chunks, a larger one ``(batch, sample, str)`` tuples.
         `final_state()` drains the iterator and returns the state.
         """
-        call = Call.of(locals(), unknown)
-        return self._stream(prompt, call, resume=False)
+        return self._stream(prompt, Call.of(call), resume=False)
 
     def _beam(self, prompt: Prompt, call: Call, resume: bool) -> SequenceState:
         """Beam search over each batch item's samples; returns up to ``width`` samples each."""

@@ -142,9 +142,28 @@ def test_call_keywords_are_in_every_signature_with_calls_defaults(tiny, method):
     keywords = {n: p.default for n, p in params.items()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert keywords == fields
+    assert all(params[n].annotation for n in fields)          # typed
     for name in fields:
         assert f"{name} :" in fn.__doc__
-    assert list(params)[-1] == "unknown"                 # foreign keywords still get a hint
+
+
+def test_the_keyword_reference_states_the_real_defaults():
+    from seqstate.call import CALL_PARAMETERS, DEFAULT_MAX_TOKENS, MAX_CONSTRAINED_TOKENS
+    from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS
+
+    for field in dataclasses.fields(Call):
+        assert f"\n{field.name} : " in "\n" + CALL_PARAMETERS, field.name
+    assert f"None: {DEFAULT_MAX_TOKENS} for free text" in CALL_PARAMETERS
+    assert f"bounded by {MAX_CONSTRAINED_TOKENS} tokens" in CALL_PARAMETERS
+    assert f"max_backtracks : int, default {DEFAULT_MAX_BACKTRACKS}" in CALL_PARAMETERS
+
+
+def test_call_options_type_the_same_keywords_as_call():
+    from seqstate.call import CallOptions
+
+    typed = {k: getattr(v, "__forward_arg__", v)
+             for k, v in CallOptions.__annotations__.items()}
+    assert typed == {f.name: f.type for f in dataclasses.fields(Call)}
 
 
 def test_foreign_keyword_still_names_seqstates_spelling(tiny):
