@@ -350,7 +350,8 @@ class SequenceState:
         return add_turn(self, "system", content)
 
     def user(self, content: str | Sequence[str]) -> SequenceState:
-        """Append a user turn and open the assistant's; only the new tokens are prefilled."""
+        """Append a user turn and open the assistant's; only the new tokens are prefilled.
+        A list gives one text per batch item (a one-item conversation branches)."""
         from seqstate.chat import add_turn
         return add_turn(self, "user", content)
 

@@ -117,6 +117,18 @@ def test_chat_states_fork_slice_and_beam(tiny):
     assert beams.shape == (1, 2) and beams.user("ok").shape == (1, 2)
 
 
+def test_a_list_of_turns_branches_a_conversation(tiny):
+    base = ss.chat(tiny).system("Be brief.")
+    s = base.user(["Name a fruit.", "Name a colour."])
+    assert s.shape == (2, 1)
+    for q, ids in zip(["Name a fruit.", "Name a colour."], s.token_ids):
+        assert ids[0] == template_ids(tiny, [("system", "Be brief."), ("user", q)])
+    replies = s.assistant(ss.text(tiny), max_tokens=3, name="r")
+    assert replies.shape == (2, 1) and len(replies["r"]) == 2
+    with pytest.raises(ss.BatchMismatch):
+        s.user(["a", "b", "c"])
+
+
 def test_chat_errors(tiny):
     tok = copy.deepcopy(tiny.hf_tokenizer)
     tok.chat_template = None
