@@ -222,7 +222,7 @@ class Generator:
     @_call_method
     async def acall(self, prompt: Prompt, **call: Unpack[CallOptions]) -> SequenceState:
         """``await gen.acall(...)``: the same call from an event loop (it runs on a worker
-        thread, so concurrent ``acall``\\ s share decode steps like threads do)."""
+        thread, so concurrent ``acall`` calls share decode steps like threads do)."""
         checked = Call.of(call)
         return await asyncio.to_thread(
             lambda: final_state(self._stream(prompt, checked, resume=False, chunks=False)))

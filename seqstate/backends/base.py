@@ -97,7 +97,7 @@ class Batch(Protocol):
 
         Returns, per slot, float32 logits ``(len(feeds[j]), V)``: the next-token logits after
         each fed token.  Each slot's KV grows by ``len(feeds[j])``; speculation verifies a
-        draft this way and `truncate()`\ s what the sampler did not accept.
+        draft this way, then `truncate()` drops what the sampler did not accept.
         """
         ...
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from seqstate.backends.prefixes import SHARED_PREFIX_MIN, shared_prefixes
+from seqstate.backends.prefixes import SHARED_PREFIX_MIN, ensure_stored
 from seqstate.kv.buffer import KVBuffer
 from seqstate.kv.hf_cache import as_cache
 from seqstate.kv.store import KVHandle
@@ -59,39 +59,24 @@ def run_tails(model: Model, rows: Sequence[tuple[Sequence[int], KVHandle]], *,
     return handles, out
 
 
-def _prefill(model: Model, targets: list[tuple[int, ...]], pins: list[KVHandle]) -> None:
-    store = model.store
-    while True:
-        handles = [store.match(t) for t in targets]
-        todo = [(t, h) for t, h in zip(targets, handles) if h.length < len(t)]
-        if not todo:
-            return
-        shared = shared_prefixes([t for t, _ in todo], [h.length for _, h in todo])
-        if shared:
-            _prefill(model, shared, pins)
-            continue
-        todo.sort(key=lambda th: th[1].length)      # similar past lengths batch with less padding
-        batch: list[tuple[tuple[int, ...], KVHandle]] = []
-        for row in todo:
-            grown = batch + [row]
-            cols = max(h.length for _, h in grown) + min(
-                max(len(t) - h.length for t, h in grown), PREFILL_CHUNK)
-            if batch and len(grown) * cols > PREFILL_BATCH_TOKENS:
-                pins.extend(run_tails(model, batch)[0])
-                batch = []
-            batch.append(row)
-        pins.extend(run_tails(model, batch)[0])
+def _run_packed(model: Model, todo: list[tuple[tuple[int, ...], KVHandle]]) -> list[KVHandle]:
+    """Every uncached tail, packed into forwards of at most ``PREFILL_BATCH_TOKENS``."""
+    todo = sorted(todo, key=lambda th: th[1].length)  # similar past lengths: less padding
+    stored: list[KVHandle] = []
+    batch: list[tuple[tuple[int, ...], KVHandle]] = []
+    for row in todo:
+        grown = batch + [row]
+        cols = max(h.length for _, h in grown) + min(
+            max(len(t) - h.length for t, h in grown), PREFILL_CHUNK)
+        if batch and len(grown) * cols > PREFILL_BATCH_TOKENS:
+            stored.extend(run_tails(model, batch)[0])
+            batch = []
+        batch.append(row)
+    stored.extend(run_tails(model, batch)[0])
+    return stored
 
 
 def ensure_kv(model: Model, rows: Sequence[Sequence[int]]) -> list[KVHandle]:
-    """Make sure ``row[:-1]`` of every row has KV in the store; return pinned handles on it.
-
-    The last token of each row is left for the first decode step, which produces its logits.
-    ``cached_tokens_reused`` counts the tokens of distinct rows already stored at the start.
-    """
-    targets = [tuple(r[:-1]) for r in rows]
-    unique = list(dict.fromkeys(targets))
-    model.count(cached_tokens_reused=sum(model.store.match(t).length for t in unique))
-    pins: list[KVHandle] = []
-    _prefill(model, unique, pins)
-    return [model.store.match(t) for t in targets]
+    """Make sure ``row[:-1]`` of every row has KV in the store; return pinned handles on it
+    (see `seqstate.backends.prefixes.ensure_stored`)."""
+    return ensure_stored(model.store, rows, lambda todo: _run_packed(model, todo), model.count)

@@ -45,7 +45,7 @@ import torch
 
 from seqstate.backends.base import Capabilities
 from seqstate.backends.llamacpp.store import SeqHandle, SeqStore
-from seqstate.backends.prefixes import common_prefix, shared_prefixes
+from seqstate.backends.prefixes import common_prefix, ensure_stored
 from seqstate.errors import ContextOverflowError
 from seqstate.backends.llamacpp.batch import LlamaCppBatch
 from seqstate.backends.llamacpp.native import Llama, usable_cores
@@ -207,31 +207,14 @@ class LlamaCppBackend:
         for seq in seqs:
             self.store.release(seq)
 
-    def _prefill(self, targets: list[tuple[int, ...]], pins: list[SeqHandle]) -> None:
-        while True:
-            handles = [self.store.match(t) for t in targets]
-            todo = [(t, h) for t, h in zip(targets, handles) if h.length < len(t)]
-            if not todo:
-                return
-            shared = shared_prefixes([t for t, _ in todo], [h.length for _, h in todo])
-            if shared:
-                self._prefill(shared, pins)
-                continue
-            pins.extend(self._run_tails(todo))
-
     def _ensure_kv(self, rows: Sequence[Sequence[int]], extra: int) -> list[SeqHandle]:
         """Store every ``row[:-1]``; pinned handles on them (see ``base.Batch.add``)."""
         if not rows:
             return []
         if any(len(r) == 0 for r in rows):
             raise ValueError("every row needs at least one token")
-        targets = [tuple(r[:-1]) for r in rows]
-        self._check_fits(targets, extra)
-        unique = list(dict.fromkeys(targets))
-        self.count(cached_tokens_reused=sum(self.store.match(t).length for t in unique))
-        pins: list[SeqHandle] = []
-        self._prefill(unique, pins)
-        return [self.store.match(t) for t in targets]
+        self._check_fits([tuple(r[:-1]) for r in rows], extra)
+        return ensure_stored(self.store, rows, self._run_tails, self.count)
 
     def _check_fits(self, targets: list[tuple[int, ...]], extra: int) -> None:
         """Refuse, before any compute, a call that cannot fit even in an empty cache."""
