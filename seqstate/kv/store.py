@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import itertools
 import threading
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from seqstate.kv.handle import PinnedPrefix
 
 __all__ = ["Segment", "KVHandle", "KVStore", "DEFAULT_BUDGET_BYTES"]
 
@@ -54,40 +55,23 @@ class Segment:
         return f"Segment(start={self.start}, len={len(self.tokens)}, pins={self.pins})"
 
 
-class KVHandle:
+class KVHandle(PinnedPrefix):
     """A pinned reference to the KV of the first ``length`` tokens of a path in the store.
 
     While the handle is alive its segment (and so, as it is not a leaf, every ancestor) cannot be
     evicted.  Handles are shared freely between states; they are never mutated.
     """
 
-    __slots__ = ("store", "segment", "rel", "__weakref__")
-
-    def __init__(self, store: KVStore, segment: Segment, rel: int) -> None:
-        self.store = store
-        self.segment = segment
-        self.rel = rel                                # tokens of `segment` included
-        store._pin(segment, +1)
-        weakref.finalize(self, store._pin, segment, -1)
+    __slots__ = ()
 
     @property
-    def length(self) -> int:
-        """Number of tokens, from position 0, whose KV this handle names."""
-        return self.segment.start + self.rel
-
-    def prefix(self, n: int) -> KVHandle:
-        """A handle on the first ``n`` tokens (``n`` is clipped to this handle's length)."""
-        n = max(0, min(n, self.length))
-        if n == self.length:
-            return self
-        seg = self.segment
-        while seg.parent is not None and n <= seg.start:
-            seg = seg.parent
-        return KVHandle(self.store, seg, n - seg.start)
+    def segment(self) -> Segment:
+        """The segment the prefix ends in."""
+        return self.node
 
     def pieces(self) -> list[tuple[Segment, int, int]]:
         """``(segment, lo, hi)`` spans, root first, whose KV concatenated is this handle's KV."""
-        out, seg, hi = [], self.segment, self.rel
+        out, seg, hi = [], self.node, self.rel
         while seg is not None and seg.kv is not None:
             if hi > 0:
                 out.append((seg, 0, hi))
@@ -101,9 +85,6 @@ class KVHandle:
         if not parts:
             return self.store.empty_kv()
         return torch.cat(parts, dim=3)
-
-    def __repr__(self) -> str:
-        return f"KVHandle(length={self.length})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,11 +26,11 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
-import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 from seqstate.errors import ContextOverflowError
+from seqstate.kv.handle import PinnedPrefix
 
 __all__ = ["Memory", "Node", "SeqHandle", "SeqStore"]
 
@@ -77,39 +77,14 @@ class Node:
                 f"pins={self.pins})")
 
 
-class SeqHandle:
+class SeqHandle(PinnedPrefix):
     """A pinned reference to the KV of the first ``length`` tokens of a stored path.
 
     While the handle is alive its node (and so every ancestor) stays in the store.  Handles are
     immutable and shared freely between states.
     """
 
-    __slots__ = ("__weakref__", "node", "rel", "store")
-
-    def __init__(self, store: SeqStore, node: Node, rel: int) -> None:
-        self.store = store
-        self.node = node
-        self.rel = rel                                # tokens of `node` included
-        store._pin(node, +1)
-        weakref.finalize(self, store._pin, node, -1)
-
-    @property
-    def length(self) -> int:
-        """Number of tokens, from position 0, whose KV this handle names."""
-        return self.node.start + self.rel
-
-    def prefix(self, n: int) -> SeqHandle:
-        """A handle on the first ``n`` tokens (``n`` is clipped to this handle's length)."""
-        n = max(0, min(n, self.length))
-        if n == self.length:
-            return self
-        node = self.node
-        while node.parent is not None and n <= node.start:
-            node = node.parent
-        return SeqHandle(self.store, node, n - node.start)
-
-    def __repr__(self) -> str:
-        return f"SeqHandle(length={self.length})"
+    __slots__ = ()
 
 
 class SeqStore:
