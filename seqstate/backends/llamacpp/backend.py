@@ -180,16 +180,23 @@ class LlamaCppBackend:
     # -- prefill ------------------------------------------------------------------------------
     def _run_tails(self, todo: list[tuple[tuple[int, ...], SeqHandle]]) -> list[SeqHandle]:
         """Compute every row's uncached tail (rows packed into shared decodes); store them."""
-        seqs = self._fork([h for _, h in todo])
+        seqs, _ = self._feed_tails([t for t, _ in todo], [h for _, h in todo], logits=False)
+        return [self.store.insert(t, len(t), seq) for (t, _), seq in zip(todo, seqs)]
+
+    def _feed_tails(self, targets: Sequence[Sequence[int]], handles: Sequence[SeqHandle], *,
+                    logits: bool) -> tuple[list[int], torch.Tensor | None]:
+        """A sequence per handle (its KV shared), fed the rest of its target in packed
+        decodes; the sequences, and the logits of every fed token when asked.  On failure
+        the sequences go back to the store."""
+        seqs = self._fork(handles)
         try:
-            tokens, positions, owners = _tails([t for t, _ in todo], [h.length for _, h in todo],
-                                               seqs)
-            self._run(tokens, positions, owners, [False] * len(tokens))
+            tokens, positions, owners = _tails(targets, [h.length for h in handles], seqs)
+            out = self._run(tokens, positions, owners, [logits] * len(tokens))
         except BaseException:
             self._release(seqs)
             raise
         self.count(prefill_tokens=len(tokens))
-        return [self.store.insert(t, len(t), seq) for (t, _), seq in zip(todo, seqs)]
+        return seqs, out
 
     def _fork(self, handles: Sequence[SeqHandle]) -> list[int]:
         """A new sequence per handle, holding its KV (shared cells)."""
@@ -263,16 +270,10 @@ class LlamaCppBackend:
 
     def _score_rows(self, rows: list[tuple[tuple[int, ...], SeqHandle, Sequence[int]]]
                     ) -> list[tuple[list[float], SeqHandle]]:
-        seqs = self._fork([h for _, h, _ in rows])
-        try:
-            # each tail is prefix[-1] + c[:-1]: its logits score c
-            tokens, positions, owners = _tails([r for r, _, _ in rows], [h.length for _, h, _ in rows],
-                                               seqs)
-            logprobs = self._run(tokens, positions, owners, [True] * len(tokens)).log_softmax(-1)
-        except BaseException:
-            self._release(seqs)
-            raise
-        self.count(prefill_tokens=len(tokens))
+        # each tail is prefix[-1] + c[:-1]: its logits score c
+        seqs, logits = self._feed_tails([r for r, _, _ in rows], [h for _, h, _ in rows],
+                                        logits=True)
+        logprobs = logits.log_softmax(-1)                                          # (T, V)
         out, at = [], 0
         for (row, _, c), seq in zip(rows, seqs):
             lps = logprobs[at + torch.arange(len(c)), torch.tensor(list(c))].tolist()
