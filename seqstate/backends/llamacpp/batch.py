@@ -63,9 +63,7 @@ class LlamaCppBatch:
     def _own(self, s: _Slot) -> int:
         """The slot's own sequence, forking it from the borrowed handle first if needed."""
         if s.seq is None:
-            seq = self._store.acquire()
-            self._store.load(s.base, seq)
-            s.seq, s.base = seq, None
+            [s.seq], s.base = self._backend._fork([s.base]), None
         return s.seq
 
     def add(self, rows: Sequence[Sequence[int]], extra: int) -> list[int]:
