@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from seqstate.errors import BatchMismatch, ChatTemplateError
+from seqstate.errors import ChatTemplateError
 
 if TYPE_CHECKING:
     from seqstate.state import Row, SequenceState
@@ -84,13 +84,7 @@ def _texts(state: SequenceState, content: str | Sequence[str], what: str) -> lis
     if isinstance(content, str):
         return [content] * len(state.rows)
     if isinstance(content, (list, tuple)) and content and all(isinstance(c, str) for c in content):
-        if len(content) == state.n_batch:
-            return [content[i // state.n_samples] for i in range(len(state.rows))]
-        if len(content) == len(state.rows):
-            return list(content)
-        raise BatchMismatch(f"{len(content)} {what} texts for a state of shape {state.shape}: "
-                            f"give one str, {state.n_batch} (one per batch item) or "
-                            f"{len(state.rows)} (one per row)")
+        return state._per_row_texts(content, f"{what} turns")
     raise ChatTemplateError(f"a {what} turn's content is a str or a list of str, got {content!r}")
 
 

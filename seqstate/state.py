@@ -320,16 +320,19 @@ class SequenceState:
         if isinstance(other, SequenceState):
             return _concat(self, other)
         if isinstance(other, (list, tuple)) and all(isinstance(t, str) for t in other):
-            n = len(other)
-            if n == self.n_batch:
-                per_row = [other[i // self.n_samples] for i in range(len(self.rows))]
-            elif n == len(self.rows):
-                per_row = list(other)
-            else:
-                raise BatchMismatch(f"cannot add {n} strings to a state of shape {self.shape}: give "
-                                    f"{self.n_batch} (one per batch item) or {len(self.rows)} (one per row)")
+            per_row = self._per_row_texts(other, "strings")
             return self._with_rows([r.extended(t) for r, t in zip(self.rows, self._encode_each(per_row))])
         return NotImplemented
+
+    def _per_row_texts(self, texts: Sequence[str], what: str) -> list[str]:
+        """One text per row from one per batch item or one per row."""
+        n = len(texts)
+        if n == self.n_batch:
+            return [texts[i // self.n_samples] for i in range(len(self.rows))]
+        if n == len(self.rows):
+            return list(texts)
+        raise BatchMismatch(f"cannot add {n} {what} to a state of shape {self.shape}: give "
+                            f"{self.n_batch} (one per batch item) or {len(self.rows)} (one per row)")
 
     def __radd__(self, other: Any) -> SequenceState:
         if isinstance(other, str):
