@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from outlines_core import Index, Vocabulary
@@ -67,10 +68,11 @@ def _compile(pattern: str, model) -> tuple[Index, int]:
 
 def _sentinel(model) -> tuple[int, int]:
     """A control byte that is a token of its own: (byte, token id)."""
-    ids = {b: i for i, b in enumerate(model.vocab.token_bytes) if len(b) == 1}
+    ids = _token_by_bytes(model)
     for byte in range(1, 32):
-        if bytes([byte]) in ids and ids[bytes([byte])] not in model.vocab.special_ids:
-            return byte, ids[bytes([byte])]
+        token = ids.get(bytes([byte]))
+        if token is not None and token not in model.vocab.special_ids:
+            return byte, token
     raise ConstraintError("this tokenizer has no one-byte control-character token, which "
                           "seqstate needs to compile a regex that matches the empty string; "
                           "make the pattern require at least one character")
@@ -144,8 +146,7 @@ class RegexConstraint:
 
     def _draft(self, state: int) -> tuple[int, ...]:
         token_bytes, index = self.model.vocab.token_bytes, self.index
-        by_bytes = self.model.constraint_cache.setdefault(
-            ("token-by-bytes",), {b: i for i, b in reversed(list(enumerate(token_bytes))) if b})
+        by_bytes = _token_by_bytes(self.model)
         forced, s = b"", state
         while len(forced) < _DRAFT_BYTES and not index.is_final_state(s):
             allowed = self.mask(s).clone()
@@ -180,11 +181,22 @@ def _common_prefix(items: list[bytes]) -> bytes:
     return first[:n]
 
 
-def _vocabulary(model) -> Vocabulary:
+def _cached(model, key: str, build: Callable) -> Any:
+    """``build(model)``, computed once per model (kept in its constraint cache)."""
     cache = model.constraint_cache
-    if ("vocabulary",) not in cache:
-        cache[("vocabulary",)] = byte_vocabulary(model)
-    return cache[("vocabulary",)]
+    if (key,) not in cache:
+        cache[(key,)] = build(model)
+    return cache[(key,)]
+
+
+def _vocabulary(model) -> Vocabulary:
+    return _cached(model, "vocabulary", byte_vocabulary)
+
+
+def _token_by_bytes(model) -> dict[bytes, int]:
+    """The lowest token id spelled by each byte string."""
+    return _cached(model, "token-by-bytes", lambda m: {
+        b: i for i, b in reversed(list(enumerate(m.vocab.token_bytes))) if b})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
