@@ -30,7 +30,8 @@ IDLE_SECONDS = 2.0      # the worker thread exits after this long with nothing t
 
 
 class Job:
-    """One generator call inside the scheduler.  Subclasses give ``start``, ``wants``, ``step``.
+    """One generator call inside the scheduler.  Subclasses give ``needs``, ``joined``,
+    ``wants`` and ``step``.
 
     Everything a job does runs on the worker thread; the caller only reads its outbox.
     """
@@ -104,12 +105,9 @@ class Scheduler:
                 kind, payload = job.outbox.get()
                 if kind == "items":
                     yield from payload
-                elif kind == "done":
-                    finished = True
-                    return payload
                 else:
                     finished = True
-                    raise payload
+                    return _outcome(kind, payload)
         finally:
             if not finished:
                 job.cancelled = True          # the worker drops it at its next step
@@ -122,12 +120,9 @@ class Scheduler:
             while True:
                 while not job.outbox.empty():
                     kind, payload = job.outbox.get()
-                    if kind == "items":
-                        yield from payload
-                    elif kind == "done":
-                        return payload
-                    else:
-                        raise payload
+                    if kind != "items":
+                        return _outcome(kind, payload)
+                    yield from payload
                 running = self._step(batch, running, [])
         finally:
             batch.close()
@@ -184,6 +179,13 @@ class Scheduler:
                 except BaseException as exc:      # noqa: BLE001 - fails this job alone
                     job.fail(batch, exc)
             return still
+
+
+def _outcome(kind: str, payload: Any) -> Any:
+    """A job's last message: its result, or its error raised."""
+    if kind == "error":
+        raise payload
+    return payload
 
 
 def _admit(batch, jobs: list[Job]) -> list[Job]:
