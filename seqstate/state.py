@@ -388,7 +388,21 @@ def _concat(left: SequenceState, right: SequenceState) -> SequenceState:
     return SequenceState(left.model, tuple(rows), batch, samples)
 
 
-class Axis(int):
+class _Indexes:
+    """Indexing one axis of ``state`` (``axis``: 0 batch, 1 samples, 2 tokens)."""
+
+    __slots__ = ()
+    state: SequenceState
+    axis: int
+
+    def __getitem__(self, key: Any) -> SequenceState:
+        return self.state._axis(self.axis, key)
+
+    def slice(self, key: Any, *, strict: bool = False) -> SequenceState:
+        return self.state._axis(self.axis, key, strict)
+
+
+class Axis(_Indexes, int):
     """The size of a row axis that also indexes it: ``state.batch[0]``, ``state.samples[1:3]``.
 
     An int key keeps the axis with size 1, as in ``state[key, :, :]``.
@@ -399,12 +413,6 @@ class Axis(int):
         obj.state, obj.axis = state, axis
         return obj
 
-    def __getitem__(self, key: Any) -> SequenceState:
-        return self.state._axis(self.axis, key)
-
-    def slice(self, key: Any, *, strict: bool = False) -> SequenceState:
-        return self.state._axis(self.axis, key, strict)
-
     def __repr__(self) -> str:
         return int.__repr__(self)
 
@@ -412,7 +420,7 @@ class Axis(int):
         return (int, (int(self),))
 
 
-class TokenAxis:
+class TokenAxis(_Indexes):
     """``state.tokens[key]``: every row's tokens, whatever the state's shape.
 
     A prefix slice (``[:n]``, ``[:-k]``) keeps the KV and rolls the constraint state back;
@@ -421,15 +429,10 @@ class TokenAxis:
     """
 
     __slots__ = ("state",)
+    axis = 2
 
     def __init__(self, state: SequenceState) -> None:
         self.state = state
-
-    def __getitem__(self, key: Any) -> SequenceState:
-        return self.state._axis(2, key)
-
-    def slice(self, key: Any, *, strict: bool = False) -> SequenceState:
-        return self.state._axis(2, key, strict)
 
     def __len__(self) -> int:
         """The longest row's length."""
