@@ -74,31 +74,29 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
     results: list[Any] = [None] * len(items)
     errors: dict[int, BaseException] = {}
     lock = threading.Lock()
-    bar = progress_bar(progress, len(items), "seqstate", "input", call=False)
+    with progress_bar(progress, len(items), "seqstate", "input", call=False) as bar:
 
-    def one(i: int) -> None:
+        def one(i: int) -> None:
+            try:
+                with quiet_calls():
+                    results[i] = program(items[i])
+            except Exception as exc:                 # noqa: BLE001 - reported per input
+                with lock:
+                    results[i] = exc
+                    errors[i] = exc
+            if bar is not None:
+                bar.update(1)
+
+        pool = ThreadPoolExecutor(max_workers=min(concurrency, max(len(items), 1)),
+                                  thread_name_prefix="seqstate-run-batch")
         try:
-            with quiet_calls():
-                results[i] = program(items[i])
-        except Exception as exc:                 # noqa: BLE001 - reported per input
-            with lock:
-                results[i] = exc
-                errors[i] = exc
-        if bar is not None:
-            bar.update(1)
-
-    pool = ThreadPoolExecutor(max_workers=min(concurrency, max(len(items), 1)),
-                              thread_name_prefix="seqstate-run-batch")
-    try:
-        for future in [pool.submit(one, i) for i in range(len(items))]:
-            future.result()
-    except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)    # Ctrl-C: start nothing new
-        raise
-    finally:
-        pool.shutdown(wait=True)
-        if bar is not None:
-            bar.close()
+            for future in [pool.submit(one, i) for i in range(len(items))]:
+                future.result()
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)    # Ctrl-C: start nothing new
+            raise
+        finally:
+            pool.shutdown(wait=True)
     if errors and not return_exceptions:
         raise BatchError(results, errors)
     return results

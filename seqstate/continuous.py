@@ -267,14 +267,10 @@ class Generator:
                 length = sum(lp is not None for lp in row.logprobs)
                 beams.append((requests[i], weight, length, i))
             groups.append(beams)
-        bar = progress_bar(call.progress, max(r.max_new for r in requests), self.name, "tok")
-        runner = beam_run(self.model, [[g[:3] for g in beams] for beams in groups], params,
-                          None if bar is None else lambda: bar.update(1))
-        try:
-            results = final_state(runner)
-        finally:
-            if bar is not None:
-                bar.close()
+        width = max(r.max_new for r in requests)
+        with progress_bar(call.progress, width, self.name, "tok") as bar:
+            results = final_state(beam_run(self.model, [[g[:3] for g in beams] for beams in groups],
+                                           params, None if bar is None else lambda: bar.update(1)))
         samples = min(len(r) for r in results)
         rows = []
         for beams, found in zip(groups, results):
@@ -289,16 +285,13 @@ class Generator:
         state, requests, span_starts, healed = self._prepare(prompt, call, resume)
         # a call that is not streamed hears from the worker once, when it is done; a progress
         # bar is updated on the worker
-        bar = progress_bar(call.progress, sum(r.max_new for r in requests), self.name, "tok")
         observe = _Chunks(state, [len(h) for h in healed], call) if chunks else _nothing
-        if bar is not None:
-            observe = _counting(observe, bar)
-        try:
+        with progress_bar(call.progress, sum(r.max_new for r in requests), self.name,
+                          "tok") as bar:
+            if bar is not None:
+                observe = _counting(observe, bar)
             results = yield from run(self.model, requests, call.sampler, call.generator(),
                                      call.hooks, call.max_backtracks, observe, call.speculate)
-        finally:
-            if bar is not None:
-                bar.close()
         rows = [self._row(r, res, st, h, call.name)
                 for r, res, st, h in zip(state.rows, results, span_starts, healed)]
         return SequenceState(self.model, tuple(rows), state.n_batch, state.n_samples)

@@ -21,20 +21,25 @@ DELAY_SECONDS = 2.0
 _QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("seqstate_quiet_calls", default=False)
 
 
+@contextlib.contextmanager
 def progress_bar(progress: bool | None, total: int, desc: str, unit: str,
-                 call: bool = True) -> Any:
-    """A tqdm bar, or None when none should show (see the module docstring)."""
+                 call: bool = True) -> Iterator[Any]:
+    """A tqdm bar for the block, closed when it ends; None when none should show (see the
+    module docstring)."""
     delay = 0.0
     if progress is None:
         if call and _QUIET.get():
-            return None
-        progress = sys.stderr.isatty() and os.environ.get("SEQSTATE_PROGRESS", "1") != "0"
-        delay = DELAY_SECONDS if call else 0.0
+            progress = False
+        else:
+            progress = sys.stderr.isatty() and os.environ.get("SEQSTATE_PROGRESS", "1") != "0"
+            delay = DELAY_SECONDS if call else 0.0
     if not progress or total <= 0:
-        return None
+        yield None
+        return
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, delay=delay, leave=not call)
+    with tqdm(total=total, desc=desc, unit=unit, delay=delay, leave=not call) as bar:
+        yield bar
 
 
 @contextlib.contextmanager
