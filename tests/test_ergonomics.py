@@ -281,3 +281,21 @@ def test_bad_sampling_options_are_argument_errors():
                {"frequency_penalty": "a"}):
         with pytest.raises(ss.ArgumentError):
             ss.multinomial(**kw)
+
+
+def test_chat_captures_accessors_and_penalties_on_every_engine(engine):
+    s = ss.chat(engine).user("Name a fruit.")
+    assert s.token_ids[0][0] == template_ids(engine, [("user", "Name a fruit.")])
+    sampler = ss.multinomial(temperature=0.7, min_p=0.05, repetition_penalty=1.3,
+                             frequency_penalty=0.5)
+    s = s.assistant(ss.text(engine), max_tokens=4, num_samples=2, sampler=sampler, seed=0,
+                    name="fruit")
+    turn = s.user("Why?")
+    before = engine.stats
+    why = turn.assistant(ss.choice(engine, ["tasty", "healthy"]), name="why")
+    new_turns = sum(len(t.tokens) - len(r.tokens) for t, r in zip(turn.rows, s.rows))
+    assert (engine.stats - before).prefill_tokens == new_turns       # only the new turns
+    assert why.shape == (1, 2) and why["fruit"] == s["fruit"]
+    assert set(why["why"][0]) <= {"tasty", "healthy"}
+    assert why.samples[1].tokens[:-1] == why[:, 1:2, :-1]
+    engine.store.verify()
