@@ -8,14 +8,49 @@ from __future__ import annotations
 
 import bisect
 import codecs
-import json
 import re
-from collections.abc import Sequence
+import threading
+import weakref
+from collections.abc import Callable, Sequence
 from functools import cached_property
+from typing import Any
 
 __all__ = ["TokenVocabulary", "IncrementalDecoder", "StopMatcher"]
 
 _HEX_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+_SEP = "\x00"
+
+
+def _split_joined(joined: bytes, n: int) -> list[bytes] | None:
+    parts = joined.split(_SEP.encode())
+    return parts if len(parts) == n else None
+
+
+def _byte_level_bytes(pieces: list[str]) -> list[bytes]:
+    """GPT-2 byte-level pieces to bytes: the whole vocabulary in one translate when every piece
+    is byte-level (added tokens are replaced after), else piece by piece."""
+    alphabet = _byte_level_alphabet()
+    joined = _SEP.join(pieces)
+    if set(joined) <= alphabet.keys() | {_SEP}:
+        table = {ord(c): b for c, b in alphabet.items()}
+        out = _split_joined(joined.translate(table).encode("latin-1"), len(pieces))
+        if out is not None:
+            return out
+    return [bytes(alphabet[c] for c in p) if all(c in alphabet for c in p) else p.encode()
+            for p in pieces]
+
+
+def _sentencepiece_bytes(pieces: list[str]) -> list[bytes]:
+    """SentencePiece pieces to bytes: U+2581 is a space, ``<0xAB>`` a single byte."""
+    out = _split_joined(_SEP.join(pieces).replace("\u2581", " ").encode(), len(pieces))
+    if out is None:
+        out = [p.replace("\u2581", " ").encode() for p in pieces]
+    for i, p in enumerate(pieces):
+        if len(p) == 6 and p.startswith("<0x") and (m := _HEX_BYTE.match(p)):
+            out[i] = bytes([int(m.group(1), 16)])
+    return out
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -35,6 +70,11 @@ def _byte_level_alphabet() -> dict[str, int]:
 class TokenVocabulary:
     """The exact bytes of every token id of a Hugging Face tokenizer.
 
+    One per tokenizer: `TokenVocabulary.of` returns the same object for the same tokenizer,
+    so its tables (built lazily, once) serve every model, engine and generator sharing it.
+    ``tables`` is where other layers keep what they derive from the vocabulary (a constraint
+    library's token table), built once per tokenizer too.
+
     Parameters
     ----------
     tokenizer : transformers.PreTrainedTokenizerFast
@@ -48,32 +88,49 @@ class TokenVocabulary:
     'café'
     """
 
+    _shared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def of(cls, tokenizer) -> TokenVocabulary:
+        """The vocabulary of ``tokenizer``, shared by everything that uses that tokenizer."""
+        with cls._shared_lock:
+            vocab = cls._shared.get(tokenizer)
+            if vocab is None:
+                vocab = cls._shared[tokenizer] = cls(tokenizer)
+            return vocab
+
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.size = max(len(tokenizer), getattr(tokenizer, "vocab_size", 0))
-        decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
-        self.byte_level = "ByteLevel" in json.dumps(decoder)
+        # the decoder alone (the whole tokenizer's JSON is tens of MB on a 262k vocabulary)
+        decoder = tokenizer.backend_tokenizer.decoder
+        self.byte_level = decoder is not None and b"ByteLevel" in decoder.__getstate__()
+        self.added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
         self.special_ids = frozenset(tokenizer.all_special_ids) | frozenset(
             i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+        self.tables: dict = {}
+        self.lock = threading.Lock()
+
+    def table(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``tables[key]``, built by ``build()`` the first time (once, under a lock)."""
+        with self.lock:
+            if key not in self.tables:
+                self.tables[key] = build()
+            return self.tables[key]
 
     @cached_property
     def token_bytes(self) -> list[bytes]:
         """``token_bytes[i]`` is the exact byte string token ``i`` stands for."""
         pieces = self.tokenizer.convert_ids_to_tokens(list(range(self.size)))
-        added = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items()}
-        alphabet = _byte_level_alphabet() if self.byte_level else None
-        out = []
-        for i, piece in enumerate(pieces):
-            if piece is None:
-                out.append(b"")
-            elif i in added:
-                out.append(added[i].encode())
-            elif alphabet is not None and all(c in alphabet for c in piece):
-                out.append(bytes(alphabet[c] for c in piece))
-            elif m := _HEX_BYTE.match(piece):
-                out.append(bytes([int(m.group(1), 16)]))
-            else:
-                out.append(piece.replace("\u2581", " ").encode())
+        pieces = ["" if p is None else p for p in pieces]
+        if self.byte_level:
+            out = _byte_level_bytes(pieces)
+        else:
+            out = _sentencepiece_bytes(pieces)
+        for i, content in self.added.items():
+            if i < self.size:
+                out[i] = content.encode()
         return out
 
     @cached_property
@@ -101,8 +158,28 @@ class TokenVocabulary:
         return ids[lo:hi]
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens added)."""
+        """Token ids of ``text`` as text appended to a state: no special tokens added."""
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of ``text`` as the tokenizer encodes a prompt (``tokenizer(text)``): with
+        the BOS token and whatever else it adds."""
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    @cached_property
+    def prompt_start(self) -> tuple[int, ...]:
+        """The special tokens the tokenizer puts before a prompt's text (``(bos,)`` or ``()``)."""
+        bare = self.encode("a")
+        full = self.encode_prompt("a")
+        for i in range(len(full) - len(bare) + 1):
+            if full[i:i + len(bare)] == bare:
+                return tuple(full[:i])
+        return ()
+
+    def strip_prompt_start(self, ids: Sequence[int]) -> Sequence[int]:
+        """``ids`` without the leading `prompt_start` tokens, where they begin with them."""
+        lead = self.prompt_start
+        return ids[len(lead):] if lead and tuple(ids[:len(lead)]) == lead else ids
 
     def bytes_of(self, ids: Sequence[int]) -> bytes:
         tb = self.token_bytes

@@ -336,10 +336,11 @@ class SequenceState:
 
     def __radd__(self, other: Any) -> SequenceState:
         if isinstance(other, str):
-            toks = tuple(self.model.encode(other))
-            return self._with_rows([Row(toks, None, (None,) * len(toks), (None,) * len(toks))
-                                    .extended(r.tokens, r.logprobs, r.cursors, r.spans)
-                                    for r in self.rows])
+            # a new prompt: the text is encoded as a prompt, and the rows' own prompt start
+            # (their BOS) moves in front of it
+            toks = tuple(self.model.encode_prompt(other))
+            head = Row(toks, None, (None,) * len(toks), (None,) * len(toks))
+            return self._with_rows([_joined(head, r, self.model.vocab) for r in self.rows])
         return NotImplemented
 
     def _with_rows(self, rows: Sequence[Row], batch: int | None = None,
@@ -384,8 +385,17 @@ def _concat(left: SequenceState, right: SequenceState) -> SequenceState:
         for s in range(samples):
             lr = left.row(b % left.n_batch, s % left.n_samples)
             rr = right.row(b % right.n_batch, s % right.n_samples)
-            rows.append(lr.extended(rr.tokens, rr.logprobs, rr.cursors, rr.spans))
+            rows.append(_joined(lr, rr, left.model.vocab))
     return SequenceState(left.model, tuple(rows), batch, samples)
+
+
+def _joined(left: Row, right: Row, vocab: Any) -> Row:
+    """``left`` followed by ``right``'s text: a prompt start (BOS) ``right`` begins with stays
+    at the very start of a row, never in its middle."""
+    lead = len(right.tokens) - len(vocab.strip_prompt_start(right.tokens))
+    if lead:
+        right = right.select(range(lead, len(right.tokens)), keep_kv=False)
+    return left.extended(right.tokens, right.logprobs, right.cursors, right.spans)
 
 
 class _Indexes:

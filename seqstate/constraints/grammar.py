@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 
 import llguidance
-import llguidance.hf
+from llguidance import TokenizerWrapper
 import numpy as np
 import torch
 
@@ -22,12 +22,33 @@ from seqstate.errors import ConstraintError
 __all__ = ["GrammarConstraint", "GrammarCursor"]
 
 
-def _tokenizer(model):
-    cache = model.constraint_cache
-    if ("llguidance-tokenizer",) not in cache:
-        cache[("llguidance-tokenizer",)] = llguidance.hf.from_tokenizer(
-            model.hf_tokenizer, n_vocab=model.vocab.size, eos_token=min(model.eos_token_ids))
-    return cache[("llguidance-tokenizer",)]
+class _Tokens:
+    """What llguidance's ``TokenizerWrapper`` reads: seqstate's exact token bytes (so the
+    tokenizer's whole JSON is never serialised and parsed again) and its encoder."""
+
+    def __init__(self, vocab, eos: int) -> None:
+        self.tokens = vocab.token_bytes
+        self.eos_token_id = eos
+        self.bos_token_id = vocab.tokenizer.bos_token_id
+        # as llguidance's own HF import has it: special tokens and added ``<...>`` tokens are
+        # never spelled by text (Gemma's added "\n" tokens are)
+        self.special_token_ids = sorted(
+            i for i, t in vocab.tokenizer.added_tokens_decoder.items()
+            if t.special or (t.content.startswith("<") and t.content.endswith(">")))
+        self._encode = vocab.encode
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):          # llguidance probes for a bytes encoder
+            raise TypeError("text only")
+        return self._encode(text)
+
+
+def _tokenizer(model) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer for ``model``: built once per tokenizer (and EOS), shared by
+    every model and engine using it."""
+    vocab, eos = model.vocab, min(model.eos_token_ids)
+    return vocab.table(("llguidance", eos), lambda: llguidance.LLTokenizer(
+        TokenizerWrapper(_Tokens(vocab, eos)), n_vocab=vocab.size))
 
 
 def _limits() -> llguidance.LLParserLimits:

@@ -25,6 +25,8 @@ def heal_span(vocab: TokenVocabulary, tokens: Sequence[int]) -> int:
     tb = vocab.token_bytes
     best = 0
     for k in range(1, min(MAX_HEAL_TOKENS, len(tokens) - 1) + 1):
+        if tokens[-k] in vocab.special_ids:           # never heal into BOS or chat markup
+            break
         removed = b"".join(tb[t] for t in tokens[-k:])
         try:
             removed.decode("utf-8")

@@ -4,7 +4,8 @@ from seqstate.models import testing
 from seqstate.models.base import BaseModel, Stats
 from seqstate.models.hf import Model
 from seqstate.models.loading import (cache_dir, default, default_gguf, from_hf, from_outlines,
-                                      llamacpp, transformers)
+                                      gemma3_gguf, gguf_tokenizer, llamacpp, transformers)
 
 __all__ = ["BaseModel", "Model", "Stats", "default", "transformers", "from_hf",
-           "from_outlines", "cache_dir", "testing", "llamacpp", "default_gguf"]
+           "from_outlines", "cache_dir", "testing", "llamacpp", "default_gguf",
+           "gemma3_gguf", "gguf_tokenizer"]

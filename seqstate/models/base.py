@@ -84,10 +84,16 @@ class BaseModel:
     def vocab(self) -> TokenVocabulary:
         from seqstate.detokenize import TokenVocabulary
 
-        return TokenVocabulary(self.hf_tokenizer)
+        return TokenVocabulary.of(self.hf_tokenizer)
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of text appended to a state: no special tokens."""
         return self.vocab.encode(text)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a string prompt, as ``tokenizer(text)`` gives them (BOS included where
+        the tokenizer adds one); an empty prompt is the model's start token."""
+        return self.vocab.encode_prompt(text) or list(self.start_token_ids)
 
     def _eos_sources(self) -> list[Any]:
         return [self.hf_tokenizer]

