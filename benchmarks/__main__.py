@@ -8,12 +8,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import seqstate as ss  # noqa: E402
-from benchmarks import (batch, beam, engine, engines, hooks, json_schemas, programs,  # noqa: E402
-                        speculation)
+from benchmarks import (batch, beam, engine, engines, first_calls, hooks,  # noqa: E402
+                        json_schemas, programs, speculation)
 
 SUITES = {"engine": engine.main, "programs": programs.main, "hooks": hooks.main,
           "beam": beam.main, "batch": batch.main, "json": json_schemas.main,
-          "engines": engines.main, "speculation": speculation.main}
+          "engines": engines.main, "speculation": speculation.main,
+          "first_calls": first_calls.main}
 
 
 def main(argv: list[str]) -> None:
