@@ -139,3 +139,31 @@ def test_ban_phrases_healing_and_streaming(gemma_engine):
     assert "".join(chunks) == state.value
     story = list(ss.text(m).stream("Write one word in Korean:", max_tokens=12))
     assert not any("\ufffd" in c for c in story)
+
+
+# Gemma 3's chat format (the base GGUF ships no template): the template renders its own BOS
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>"
+                  "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+                  "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_chat_tokens_equal_the_template(gemma_engine, monkeypatch):
+    m = gemma_engine
+    tok = m.hf_tokenizer
+    with pytest.raises(ss.ChatTemplateError, match="no chat template"):
+        ss.chat(m).user("Name a fruit.")
+    monkeypatch.setattr(tok, "chat_template", GEMMA_TEMPLATE)
+    s = ss.chat(m).user("Name a fruit.")
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if "input_ids" in want else want
+    assert s.token_ids[0][0] == list(want)
+    assert s.token_ids[0][0].count(tok.bos_token_id) == 1
+    s = s.assistant(ss.text(m), max_tokens=6, name="fruit")
+    assert "<bos>" not in s["fruit"] and "<start_of_turn>" not in s["fruit"]
+    s = s.user("And its colour?")
+    messages += [{"role": "assistant", "content": s["fruit"]},
+                 {"role": "user", "content": "And its colour?"}]
+    assert tok.decode(s.token_ids[0][0]) == tok.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False)
