@@ -8,6 +8,8 @@ import threading
 import pytest
 
 import seqstate as ss
+from seqstate.backends.base import CacheFullError
+from seqstate.engine.scheduler import _Run
 from seqstate.hooks import Rollback
 
 TOPICS = ["rain", "cats", "tea", "maps", "bees", "jazz", "salt", "wind"]
@@ -194,9 +196,9 @@ def test_llamacpp_worker_runs_torch_single_threaded_and_leaves_other_threads_alo
 
 
 class _Rows(ss.engine.scheduler.Job):
-    def __init__(self, rows):
+    def __init__(self, rows, order):
         super().__init__()
-        self.rows = rows
+        self.rows, self.order = rows, order
 
     def needs(self):
         return self.rows, 4
@@ -206,12 +208,19 @@ class _Rows(ss.engine.scheduler.Job):
 
 
 class _FakeBatch:
-    def __init__(self, refuse):
-        self.adds, self.released, self.refuse, self.next = [], [], refuse, 0
+    """Refuses rows ``never`` (cannot fit even alone) and ``full`` (no room now)."""
+
+    def __init__(self, never=None, full=None):
+        self.adds, self.released, self.never, self.full, self.next = [], [], never, full, 0
+
+    def batch(self):                   # the backend too
+        return self
 
     def add(self, rows, extra):
-        if any(r == self.refuse for r in rows):
+        if any(r == self.never for r in rows):
             raise ss.ContextOverflowError("too long")
+        if any(r == self.full for r in rows):
+            raise CacheFullError("full now")
         self.adds.append(list(rows))
         self.next += len(rows)
         return list(range(self.next - len(rows), self.next))
@@ -220,18 +229,56 @@ class _FakeBatch:
         self.released.append(slot)
 
 
-def test_newcomers_join_in_one_add_and_a_refused_one_fails_alone():
-    from seqstate.engine.scheduler import _admit
+def _admitted(batch, jobs):
+    run = _Run(batch)
+    run.waiting = list(jobs)
+    run._admit()
+    return run
 
-    jobs = [_Rows([[1, 2], [1, 3]]), _Rows([[4]]), _Rows([[5, 6]])]
-    batch = _FakeBatch(refuse=None)
-    assert _admit(batch, jobs) == jobs
+
+def test_newcomers_join_in_one_add_and_a_refused_one_fails_alone():
+    jobs = [_Rows([[1, 2], [1, 3]], 0), _Rows([[4]], 1), _Rows([[5, 6]], 2)]
+    batch = _FakeBatch()
+    assert _admitted(batch, jobs).running == jobs
     assert batch.adds == [[[1, 2], [1, 3], [4], [5, 6]]]          # one prefill for everyone
     assert [j.slots for j in jobs] == [[0, 1], [2], [3]]
 
-    jobs = [_Rows([[1, 2]]), _Rows([[9, 9]]), _Rows([[5, 6]])]
-    batch = _FakeBatch(refuse=[9, 9])
-    assert _admit(batch, jobs) == [jobs[0], jobs[2]]
+    jobs = [_Rows([[1, 2]], 0), _Rows([[9, 9]], 1), _Rows([[5, 6]], 2)]
+    batch = _FakeBatch(never=[9, 9])
+    assert _admitted(batch, jobs).running == [jobs[0], jobs[2]]
     assert batch.adds == [[[1, 2]], [[5, 6]]]                     # retried one by one
     kind, error = jobs[1].outbox.get_nowait()
     assert kind == "error" and isinstance(error, ss.ContextOverflowError)
+
+
+def test_a_newcomer_that_finds_the_cache_full_waits_and_fails_only_alone():
+    jobs = [_Rows([[1, 2]], 0), _Rows([[7, 7]], 1), _Rows([[5, 6]], 2)]
+    batch = _FakeBatch(full=[7, 7])
+    run = _admitted(batch, jobs)
+    # the full one waits for an older job to leave, and the one after it waits behind it
+    assert run.running == [jobs[0]] and run.waiting == jobs[1:] and run.blocked
+    assert jobs[1].outbox.empty()
+    run._end(jobs[0], RuntimeError("gone"))
+    run._admit()                                                  # alone now: it cannot fit
+    kind, error = jobs[1].outbox.get_nowait()
+    assert kind == "error" and isinstance(error, CacheFullError)
+    assert run.running == [jobs[2]] and not run.waiting
+
+
+def test_an_older_newcomer_that_finds_the_cache_full_pauses_newer_jobs():
+    old, new = _Rows([[7, 7]], 0), _Rows([[5, 6]], 1)
+    batch = _FakeBatch(full=[7, 7])
+    run = _admitted(batch, [new])
+    assert run.running == [new]
+    batch.full = None
+    real_add = batch.add
+
+    def add(rows, extra):                        # full until the newer job has left
+        if new.slots:
+            raise CacheFullError("full now")
+        return real_add(rows, extra)
+
+    batch.add = add
+    run.waiting = [old]
+    run._admit()
+    assert run.running == [old] and run.waiting == [new] and batch.released == [0]

@@ -21,7 +21,17 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Capabilities", "Handle", "Batch", "Backend"]
+from seqstate.errors import ContextOverflowError
+
+__all__ = ["Capabilities", "Handle", "Batch", "Backend", "CacheFullError"]
+
+
+class CacheFullError(ContextOverflowError):
+    """The engine's shared KV cache has no room *now*: what is left is pinned by live states
+    or held by working rows, though the request would fit without them.  ``Batch.add``,
+    ``forward`` and ``extend`` raise it (having changed nothing) after evicting every stored
+    path no state pins; the scheduler then pauses newer calls instead of failing this one.
+    A plain `ContextOverflowError` from ``add`` means the rows cannot fit even alone."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -148,6 +148,7 @@ class RegexConstraint:
         token_bytes, index = self.model.vocab.token_bytes, self.index
         by_bytes = _token_by_bytes(self.model)
         forced, s = b"", state
+        walk: list[tuple[int, int, int]] = []      # (bytes forced so far, token, next state)
         while len(forced) < _DRAFT_BYTES and not index.is_final_state(s):
             allowed = self.mask(s).clone()
             allowed[self.eos] = False
@@ -160,17 +161,45 @@ class RegexConstraint:
             if nxt is None:
                 break
             forced, s = forced + common, nxt
-        try:
-            text = forced.decode("utf-8")
-        except UnicodeDecodeError:
-            text = forced[: len(forced.decode("utf-8", "ignore").encode())].decode("utf-8")
+            walk.append((len(forced), token, nxt))
+        # A row that stopped inside a character (its last token ended mid-way through one)
+        # cannot spell the rest of it as text: those bytes are drafted with the walk's own
+        # tokens, when one of them ends exactly where the character does (else no draft).
+        # The forced text is then cut to whole characters at its end too.
+        head = _partial_head(forced)
         draft, s = [], state
+        if head:
+            if head not in (end for end, _, _ in walk):
+                return ()
+            for end, token, nxt in walk:
+                if end > head:
+                    break
+                draft.append(token)
+                s = nxt
+        text = _whole_characters(forced[head:])
         for token in self.model.encode(text) if text else []:
             s = index.get_next_state(s, token)
             if s is None:
                 break
             draft.append(token)
         return tuple(draft)
+
+
+def _partial_head(data: bytes) -> int:
+    """How many leading bytes of ``data`` end a character begun before it (UTF-8
+    continuation bytes, at most three)."""
+    n = 0
+    while n < min(3, len(data)) and 0x80 <= data[n] < 0xC0:
+        n += 1
+    return n
+
+
+def _whole_characters(data: bytes) -> str:
+    """The longest prefix of ``data`` that is whole UTF-8 characters, decoded."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return data[: exc.start].decode("utf-8")
 
 
 def _common_prefix(items: list[bytes]) -> bytes:

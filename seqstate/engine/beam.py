@@ -54,18 +54,21 @@ class BeamJob(Job):
         self.flat = [(g, req, w, n) for g, beams in enumerate(groups) for req, w, n in beams]
         self.finished: list[list[tuple[RowResult, float, int]]] = [[] for _ in groups]
         self.open_groups = set(range(len(groups)))
+        self.beams = []
+        for i, (g, req, w, n) in enumerate(self.flat):
+            row = LiveRow(req, model.vocab, model.eos_token_ids)
+            row.origin = i - sum(len(groups[j]) for j in range(g))
+            self.beams.append(_Beam(row, w, n, g))
 
     def needs(self) -> tuple[list[Sequence[int]], int]:
-        longest = max(req.max_new for _, req, _, _ in self.flat)
-        return [req.tokens for _, req, _, _ in self.flat], min(longest, FIRST_CAPACITY) + 1
+        # the incoming rows at first; the live beams as they are when resuming after a pause
+        room = max(b.row.req.max_new - len(b.row.generated) for b in self.beams)
+        return [b.row.tokens for b in self.beams], min(room, FIRST_CAPACITY) + 1
 
     def joined(self, slots: list[int]) -> None:
         self.slots = list(slots)
-        self.beams = []
-        for i, ((g, req, w, n), slot) in enumerate(zip(self.flat, self.slots)):
-            row = LiveRow(req, self.model.vocab, self.model.eos_token_ids)
-            row.origin = i - sum(len(self.groups[j]) for j in range(g))
-            self.beams.append(_Beam(row, w, n, g, slot))
+        for beam, slot in zip(self.beams, self.slots):
+            beam.slot = slot
 
     def wants(self) -> tuple[list[int], list[list[int]]]:
         return [b.slot for b in self.beams], [[b.row.tokens[-1]] for b in self.beams]
@@ -132,14 +135,30 @@ class BeamJob(Job):
             return True
         return False
 
+    # as DecodeJob: once the caller has its result (or error), no handle is held here
+    def finish(self, result) -> None:
+        super().finish(result)
+        self.finished = []
+
+    def fail(self, batch, exc: BaseException) -> None:
+        self.finished = []
+        super().fail(batch, exc)
+
     def _move_slots(self, batch, survivors: list[_Beam]) -> None:
         """A parent's first surviving child takes its slot; later children fork it."""
         taken: set[int] = set()
-        for b in survivors:
-            if b.slot in taken:
-                b.slot = batch.fork(b.slot)
-            else:
-                taken.add(b.slot)
+        forks: list[int] = []
+        try:
+            for b in survivors:
+                if b.slot in taken:
+                    b.slot = batch.fork(b.slot)
+                    forks.append(b.slot)
+                else:
+                    taken.add(b.slot)
+        except BaseException:
+            for slot in forks:                    # the parents' slots are still self.slots
+                batch.release(slot)
+            raise
         for b in self.beams:
             if b.slot not in taken:
                 batch.release(b.slot)

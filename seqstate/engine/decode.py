@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from seqstate.backends.base import CacheFullError
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.engine.scheduler import Job
 from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS, Stepper
@@ -52,12 +53,35 @@ class DecodeJob(Job):
         self.results: dict[int, RowResult] = {}
 
     def needs(self) -> tuple[list[Sequence[int]], int]:
-        width = max(r.max_new for r in self.requests)
-        return [r.tokens for r in self.requests], min(width, FIRST_CAPACITY) + 1
+        live = self.stepper.live                 # every row at first; the unfinished on resuming
+        room = max(self.rows[i].req.max_new - len(self.rows[i].generated) + self.rows[i].free
+                   for i in live)
+        return [self.rows[i].tokens for i in live], min(room, FIRST_CAPACITY) + 1
 
     def joined(self, slots: list[int]) -> None:
         self.slots = list(slots)
-        self.slot_of = dict(enumerate(self.slots))              # row index -> slot
+        self.slot_of = dict(zip(self.stepper.live, self.slots))   # row index -> slot
+
+    def pause(self, batch) -> None:
+        """Store the live rows' KV (evictable once released: a paused call's resumption
+        finds it unless the room was needed), then give the slots back."""
+        for i in self.stepper.live:
+            slot = self.slot_of[i]
+            try:
+                batch.commit(slot, self.rows[i].tokens, self.rows[i].kv_valid(batch.length(slot)))
+            except CacheFullError:
+                pass                              # no room to keep it: prefilled again later
+        super().pause(batch)
+
+    # A job outlives its call where its error's traceback is kept (worker frames hold jobs):
+    # once the caller has its result, the job holds no handle, so no KV stays pinned by it.
+    def finish(self, result: Any) -> None:
+        super().finish(result)
+        self.results = {}
+
+    def fail(self, batch, exc: BaseException) -> None:
+        self.results = {}
+        super().fail(batch, exc)
 
     def wants(self) -> tuple[list[int], list[list[int]]]:
         live = self.stepper.live

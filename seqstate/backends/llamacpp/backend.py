@@ -43,7 +43,7 @@ from pathlib import Path
 import llama_cpp as ll
 import torch
 
-from seqstate.backends.base import Capabilities
+from seqstate.backends.base import CacheFullError, Capabilities
 from seqstate.backends.llamacpp.store import SeqHandle, SeqStore
 from seqstate.backends.prefixes import common_prefix, ensure_stored
 from seqstate.errors import ContextOverflowError
@@ -170,7 +170,7 @@ class LlamaCppBackend:
                 raise RuntimeError(f"llama_decode failed with status {status}")
             # no free cells: llama.cpp left the cache as it was, so drop a stored path and retry
             if not self.store.evict_one():
-                raise ContextOverflowError(
+                raise CacheFullError(
                     f"the llama.cpp KV cache (n_ctx={self.n_ctx} cells) is full: "
                     f"{self.store.held_cells} cells are pinned by live states and the rest by "
                     f"working rows, so {len(tokens)} more tokens do not fit; drop states you no "

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
-from seqstate.errors import ContextOverflowError
+from seqstate.backends.base import CacheFullError
 from seqstate.kv.handle import PinnedPrefix
 
 __all__ = ["Memory", "Node", "SeqHandle", "SeqStore"]
@@ -165,7 +165,7 @@ class SeqStore:
             self._drain_orphans()
             while not self._free:
                 if not self.evict_one():
-                    raise ContextOverflowError(
+                    raise CacheFullError(
                         f"every llama.cpp sequence id ({len(self._all)} usable) is held by a live "
                         f"state or working row ({len(self._carriers)} stored paths, "
                         f"{len(self._lent)} rows); drop states you no longer need, run fewer rows "
