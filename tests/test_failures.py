@@ -265,6 +265,24 @@ def test_a_caller_never_waits_on_a_dead_worker(fresh_tiny, monkeypatch):
     m.store.verify()
 
 
+def test_a_worker_that_breaks_fails_what_it_holds_and_the_next_call_starts_a_new_one(
+        fresh_tiny, monkeypatch):
+    from seqstate.engine.scheduler import _Run
+
+    m = fresh_tiny
+
+    def broken(self, *args):
+        raise Injected("worker")
+
+    monkeypatch.setattr(_Run, "step", broken)            # and its recovery breaks too
+    monkeypatch.setattr(_Run, "reset", broken)
+    outcomes = _threads(*(lambda i=i: ss.text(m)(f"Held {i}", max_tokens=4) for i in range(3)))
+    assert all(isinstance(v, Injected) and seconds < WAIT for v, seconds in outcomes), outcomes
+    monkeypatch.undo()
+    assert ss.text(m)("Held 1", max_tokens=4).token_ids == _fresh("Held 1", max_tokens=4)
+    m.store.verify()
+
+
 # -- B. a full cache pauses calls ---------------------------------------------------------------
 
 class _Cells:

@@ -64,6 +64,7 @@ class Job:
         self.cancelled = False
         self.slots: list[int] = []
         self.order = 0          # arrival order: the newest jobs pause first when the cache is full
+        self.worker: threading.Thread | None = None     # the worker thread holding this job
 
     def needs(self) -> tuple[list[Sequence[int]], int]:
         """``(rows, extra)``: the rows to add to the batch (as they are now: a paused job
@@ -157,7 +158,7 @@ class Scheduler:
                 return job.outbox.get(timeout=POLL_SECONDS)
             except queue.Empty:
                 pass
-            worker = self._worker
+            worker = job.worker or self._worker
             if worker is None or not worker.is_alive():
                 try:                          # it may have answered just before it ended
                     return job.outbox.get_nowait()
@@ -169,15 +170,15 @@ class Scheduler:
     def _alone(self, job: Job) -> Generator[Any, None, Any]:
         """Run ``job`` on this thread with a batch of its own (nested calls)."""
         job.order = next(self._arrivals)
-        run, new = _Run(self.model.backend), [job]
+        run = _Run(self.model.backend)
+        run.waiting.append(job)
         try:
             while True:
                 with self.model.lock, torch.inference_mode():
                     try:
-                        run.step(new)
+                        run.step()
                     except BaseException as exc:  # noqa: BLE001 - the batch failed this job
                         run.reset(exc)
-                new = []
                 while not job.outbox.empty():
                     kind, payload = job.outbox.get()
                     if kind != "items":
@@ -202,13 +203,12 @@ class Scheduler:
                             self._worker = None   # a later call starts a new worker
                             run.close()
                             return
-                    new, self._pending = self._pending, []
+                    run.waiting += self._take()
                 with self.model.lock, torch.inference_mode():
                     try:
-                        run.step(new)
+                        run.step()
                     except BaseException as exc:  # noqa: BLE001 - no one job's: every running one's
                         run.reset(exc)
-                del new                           # a kept traceback must not keep these jobs
         except BaseException as exc:              # noqa: BLE001 - the worker itself broke
             with self._cv:
                 orphans, self._pending = self._pending, []
@@ -216,6 +216,14 @@ class Scheduler:
                     job.outbox.put(("error", exc))
                 if self._worker is threading.current_thread():
                     self._worker = None
+
+
+    def _take(self) -> list[Job]:
+        """The pending jobs, now this worker's (with ``_cv`` held)."""
+        new, self._pending = self._pending, []
+        for job in new:
+            job.worker = threading.current_thread()
+        return new
 
 
 class _Run:
@@ -233,9 +241,9 @@ class _Run:
     def jobs(self) -> list[Job]:
         return self.running + self.waiting
 
-    def step(self, new: list[Job]) -> None:
+    def step(self) -> None:
         """Admit who fits, then one forward for every running job and its sampling step."""
-        self.waiting = sorted(self.waiting + new, key=lambda job: job.order)
+        self.waiting.sort(key=lambda job: job.order)
         for job in [j for j in self.jobs if j.cancelled]:
             self._end(job, RuntimeError("cancelled"))
         if not self.blocked or not self.running:
