@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
+from seqstate.backends.base import Handle as KVHandle
 from seqstate.chat import Chat
 from seqstate.constraints.base import Cursor
 from seqstate.errors import BatchMismatch, ModelMismatch, SlicingError
 from seqstate.indexing import is_prefix, normalize, token_positions
-from seqstate.kv.store import KVHandle
 
 __all__ = ["SequenceState", "Row", "Span", "Axis", "TokenAxis", "Captures", "from_tokens"]
 

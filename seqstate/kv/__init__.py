@@ -1,6 +1,5 @@
-"""KV storage: the radix store of immutable segments and the decode buffers."""
+"""Moved: the radix tree is `seqstate.radix`, the HF engine's store, buffers and ``Cache``
+adapter are in `seqstate.backends.hf`.  Only `seqstate.kv.handle` remains, for the llama.cpp
+store until it moves onto `seqstate.radix`."""
 
-from seqstate.kv.buffer import KVBuffer
-from seqstate.kv.store import DEFAULT_BUDGET_BYTES, KVHandle, KVStore, Segment
-
-__all__ = ["KVStore", "KVHandle", "Segment", "KVBuffer", "DEFAULT_BUDGET_BYTES"]
+__all__: list[str] = []

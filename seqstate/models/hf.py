@@ -1,4 +1,4 @@
-"""seqstate's adapter around a Hugging Face causal LM and its tokenizer (the ``hf`` engine)."""
+"""A Hugging Face causal LM and its tokenizer on the ``hf`` engine (`seqstate.backends.hf`)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ from typing import Any
 
 import torch
 
-from seqstate.backends.hf import HFBackend
-from seqstate.kv.store import DEFAULT_BUDGET_BYTES, KVStore
+from seqstate.backends.hf import DEFAULT_BUDGET_BYTES, HFBackend, KVStore
 from seqstate.models.base import BaseModel
 
 __all__ = ["Model"]
@@ -36,53 +35,38 @@ class Model(BaseModel):
         super().__init__(hf_tokenizer, name or getattr(hf_model.config, "_name_or_path", "")
                          or type(hf_model).__name__)
         self.hf_model = hf_model.eval()
-        self.store = KVStore(kv_budget_bytes)
-        self.backend = HFBackend(self)
-        cfg = hf_model.config.get_text_config(decoder=True)
-        self.num_layers = cfg.num_hidden_layers
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self._decoder = hf_model.get_decoder()
+        self.backend = HFBackend(self.hf_model, pad_token_id=self.pad_token_id,
+                                 kv_budget_bytes=kv_budget_bytes)
 
     def _eos_sources(self) -> list[Any]:
         return [getattr(self.hf_model, "generation_config", None), self.hf_model.config,
                 self.hf_tokenizer]
 
     @property
+    def store(self) -> KVStore:
+        """The radix store of KV segments (``verify()`` checks its links and accounting)."""
+        return self.backend.store
+
+    @property
     def context_length(self) -> int:
-        cfg = self.hf_model.config.get_text_config(decoder=True)
-        return int(getattr(cfg, "max_position_embeddings", None) or 2048)
+        return self.backend.context_length
 
     @property
     def device(self) -> torch.device:
-        return self.hf_model.device
+        return self.backend.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.hf_model.dtype
+        return self.backend.dtype
 
-    # -- network ------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor, cache: Any, *, logits: bool | str = True) -> torch.Tensor | None:
-        """Run ``input_ids`` (B, T) over ``cache``; last-position logits (B, V) in float32 or None.
+    @property
+    def num_layers(self) -> int:
+        return self.backend.num_layers
 
-        ``attention_mask`` (B, past + T) may be None when no row is padded.  ``logits=False``
-        skips the LM head (prefill); ``logits="all"`` returns every position's (B, T, V).
-        """
-        self.count(forward_calls=1)
-        kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids, past_key_values=cache, use_cache=True)
-        if not logits:
-            self._decoder(**kwargs)                                # prefill: skip the LM head
-            return None
-        if logits == "all":
-            return self.hf_model(**kwargs, logits_to_keep=0).logits.float()   # (B, T, V)
-        out = self.hf_model(**kwargs, logits_to_keep=1)
-        return out.logits[:, -1, :].float()                       # (B, V)
+    @property
+    def kv_heads(self) -> int:
+        return self.backend.kv_heads
 
-    @torch.inference_mode()
-    def full_logits(self, ids: list[int]) -> torch.Tensor:
-        """Logits (T, V) of a fresh forward over ``ids`` with no cache: the exactness reference."""
-        out = self.hf_model(input_ids=torch.tensor([ids], device=self.device), use_cache=False)
-        return out.logits[0].float()
+    @property
+    def head_dim(self) -> int:
+        return self.backend.head_dim

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from seqstate.backends.hf import DEFAULT_BUDGET_BYTES
 from seqstate.errors import ArgumentError, ModelNotAvailable
-from seqstate.kv.store import DEFAULT_BUDGET_BYTES
 from seqstate.models.base import BaseModel
 from seqstate.models.hf import Model
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from seqstate.kv.store import DEFAULT_BUDGET_BYTES
+from seqstate.backends.hf import DEFAULT_BUDGET_BYTES
 from seqstate.models.hf import Model
 from seqstate.models.loading import default_tokenizer
 

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
+from seqstate.backends.hf.buffer import KVBuffer
+from seqstate.backends.hf.cache import as_cache
 from seqstate.backends.hf.prefill import ensure_kv
-from seqstate.kv.buffer import KVBuffer
-from seqstate.kv.hf_cache import as_cache
-from seqstate.kv.store import KVHandle
+from seqstate.backends.hf.store import KVHandle
+
+if TYPE_CHECKING:
+    from seqstate.backends.hf.backend import HFBackend
 
 __all__ = ["HFBatch"]
 
@@ -25,8 +29,8 @@ class HFBatch:
     no live row uses are compacted away once they are a quarter of the buffer.
     """
 
-    def __init__(self, backend) -> None:
-        self.backend, self.model = backend, backend.model
+    def __init__(self, backend: HFBackend) -> None:
+        self.backend = backend
         self.buf: KVBuffer | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.long)       # (rows, capacity)
         self.row_of: dict[int, int] = {}     # slot id -> buffer row
@@ -39,12 +43,12 @@ class HFBatch:
 
     # -- joining and leaving ------------------------------------------------------------------
     def add(self, rows: Sequence[Sequence[int]], extra: int) -> list[int]:
-        handles = ensure_kv(self.model, rows)
+        handles = ensure_kv(self.backend, rows)
         need = max(h.length for h in handles)
-        model = self.model
+        b = self.backend
         if self.buf is None:
-            self.buf = KVBuffer(model.num_layers, model.kv_heads, model.head_dim, len(handles),
-                                need + extra, model.dtype, model.device)
+            self.buf = KVBuffer(b.num_layers, b.kv_heads, b.head_dim, len(handles), need + extra,
+                                b.dtype, b.device)
             self.buf.length = need
             self.mask = torch.zeros(len(handles), self.buf.capacity, dtype=torch.long)
             self.padded = len({h.length for h in handles}) > 1
@@ -156,7 +160,7 @@ class HFBatch:
         rows not fed ride along on junk (their output is dropped; a finished row needs no
         mask).  Junk columns come after a row's fed tokens, so causal attention never sees
         them; they are masked out when the row is fed again."""
-        buf, model = self.buf, self.model
+        buf, backend = self.buf, self.backend
         if buf.length + k > buf.capacity:
             self._grow(0, buf.length + k)
         col = buf.length
@@ -165,20 +169,20 @@ class HFBatch:
                 self.mask[r, self.junk[r]] = 0
                 self.junk[r].clear()
                 self.padded = True
-        pad = model.pad_token_id
+        pad = backend.pad_token_id
         ids = torch.tensor([(fed.get(r, []) + [pad] * k)[:k] for r in range(buf.rows)])  # (B, k)
         start = torch.tensor([self.bases[r].length + len(self.cols[r]) for r in range(buf.rows)])
         pos = start[:, None] + torch.arange(k)                                            # (B, k)
         self.mask[:, col: col + k] = 1
-        step_mask = self.mask[:, : col + k].to(model.device) if self.padded else None
-        logits = model.forward(ids.to(model.device), step_mask, pos.to(model.device),
-                               as_cache(buf), logits=True if which == "last" else "all")
+        step_mask = self.mask[:, : col + k].to(backend.device) if self.padded else None
+        logits = backend.forward(ids.to(backend.device), step_mask, pos.to(backend.device),
+                                 as_cache(buf), logits=True if which == "last" else "all")
         buf.length += k
         for r in range(buf.rows):
             n = len(fed.get(r, ()))
             self.cols[r].extend(range(col, col + n))
             self.junk[r].extend(range(col + n, col + k))
-        self.backend.count(decode_tokens=sum(map(len, fed.values())))
+        backend.count(decode_tokens=sum(map(len, fed.values())))
         return logits
 
     def truncate(self, slot: int, length: int) -> None:
@@ -195,4 +199,4 @@ class HFBatch:
         if n <= 0:
             return base.prefix(length)
         kv = self.buf.gather(row, self.cols[row][:n])
-        return self.model.store.extend(tokens, base.length, kv)
+        return self.backend.store.extend(tokens, base.length, kv)

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from seqstate.backends.hf.buffer import KVBuffer
+from seqstate.backends.hf.cache import as_cache
+from seqstate.backends.hf.store import KVHandle
 from seqstate.backends.prefixes import SHARED_PREFIX_MIN, ensure_stored
-from seqstate.kv.buffer import KVBuffer
-from seqstate.kv.hf_cache import as_cache
-from seqstate.kv.store import KVHandle
 
 if TYPE_CHECKING:
-    from seqstate.models.hf import Model
+    from seqstate.backends.hf.backend import HFBackend
 
 __all__ = ["ensure_kv", "run_tails", "SHARED_PREFIX_MIN", "PREFILL_CHUNK", "PREFILL_BATCH_TOKENS"]
 
@@ -27,20 +27,20 @@ PREFILL_CHUNK = 1024          # longest tail run in one forward (longer tails ru
 PREFILL_BATCH_TOKENS = 8192   # rows x (past + tail) columns per forward
 
 
-def run_tails(model: Model, rows: Sequence[tuple[Sequence[int], KVHandle]], *,
+def run_tails(backend: HFBackend, rows: Sequence[tuple[Sequence[int], KVHandle]], *,
               logits: bool = False) -> tuple[list[KVHandle], torch.Tensor | None]:
     """One batched forward over the next chunk of each row's uncached tail; stores the KV.
 
     Returns handles on the new KV (the caller holds them so eviction cannot drop it mid-call)
     and, with ``logits=True``, the logits (B, T, V) of every tail position, left-padded.
     """
-    store = model.store
+    store = backend.store
     tails = [tokens[h.length: h.length + PREFILL_CHUNK] for tokens, h in rows]
     past = max(h.length for _, h in rows)                           # cached KV, right-aligned
     width = max(len(t) for t in tails)
-    buf = KVBuffer(model.num_layers, model.kv_heads, model.head_dim, len(rows), past + width,
-                   model.dtype, model.device)
-    ids = torch.full((len(rows), width), model.pad_token_id, dtype=torch.long)       # (B, T)
+    buf = KVBuffer(backend.num_layers, backend.kv_heads, backend.head_dim, len(rows),
+                   past + width, backend.dtype, backend.device)
+    ids = torch.full((len(rows), width), backend.pad_token_id, dtype=torch.long)     # (B, T)
     pos = torch.zeros((len(rows), width), dtype=torch.long)                          # (B, T)
     mask = torch.zeros((len(rows), past + width), dtype=torch.long)                  # (B, P+T)
     for i, ((tokens, h), tail) in enumerate(zip(rows, tails)):
@@ -51,15 +51,16 @@ def run_tails(model: Model, rows: Sequence[tuple[Sequence[int], KVHandle]], *,
         mask[i, past + width - len(tail):] = 1
     buf.length = past
     padded = not bool(mask.all())
-    out = model.forward(ids.to(model.device), mask.to(model.device) if padded else None,
-                        pos.to(model.device), as_cache(buf), logits="all" if logits else False)
-    model.count(prefill_tokens=sum(len(t) for t in tails))
+    device = backend.device
+    out = backend.forward(ids.to(device), mask.to(device) if padded else None, pos.to(device),
+                          as_cache(buf), logits="all" if logits else False)
+    backend.count(prefill_tokens=sum(len(t) for t in tails))
     handles = [store.extend(tokens, h.length, buf.take(i, past + width - len(tail), past + width))
                for i, ((tokens, h), tail) in enumerate(zip(rows, tails))]
     return handles, out
 
 
-def _run_packed(model: Model, todo: list[tuple[tuple[int, ...], KVHandle]]) -> list[KVHandle]:
+def _run_packed(backend: HFBackend, todo: list[tuple[tuple[int, ...], KVHandle]]) -> list[KVHandle]:
     """Every uncached tail, packed into forwards of at most ``PREFILL_BATCH_TOKENS``."""
     todo = sorted(todo, key=lambda th: th[1].length)  # similar past lengths: less padding
     stored: list[KVHandle] = []
@@ -69,14 +70,15 @@ def _run_packed(model: Model, todo: list[tuple[tuple[int, ...], KVHandle]]) -> l
         cols = max(h.length for _, h in grown) + min(
             max(len(t) - h.length for t, h in grown), PREFILL_CHUNK)
         if batch and len(grown) * cols > PREFILL_BATCH_TOKENS:
-            stored.extend(run_tails(model, batch)[0])
+            stored.extend(run_tails(backend, batch)[0])
             batch = []
         batch.append(row)
-    stored.extend(run_tails(model, batch)[0])
+    stored.extend(run_tails(backend, batch)[0])
     return stored
 
 
-def ensure_kv(model: Model, rows: Sequence[Sequence[int]]) -> list[KVHandle]:
+def ensure_kv(backend: HFBackend, rows: Sequence[Sequence[int]]) -> list[KVHandle]:
     """Make sure ``row[:-1]`` of every row has KV in the store; return pinned handles on it
     (see `seqstate.backends.prefixes.ensure_stored`)."""
-    return ensure_stored(model.store, rows, lambda todo: _run_packed(model, todo), model.count)
+    return ensure_stored(backend.store, rows, lambda todo: _run_packed(backend, todo),
+                         backend.count)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from seqstate.kv.buffer import KVBuffer
+from seqstate.backends.hf.buffer import KVBuffer
 
 __all__ = ["BufferLayer", "as_cache"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from seqstate.kv.store import KVHandle
+from seqstate.backends.hf.store import KVHandle
 
 __all__ = ["KVBuffer"]
 

@@ -1,0 +1,141 @@
+"""The Hugging Face engine: the reference backend, exact against a fresh fp32 forward.
+
+`HFBackend` implements `seqstate.backends.base.Backend` over a transformers causal LM.  It owns
+the network (its geometry and the one forward every call goes through) and the radix store of
+torch KV segments (`seqstate.backends.hf.store`).  A call's rows are loaded into an in-place
+decode buffer (`HFBatch`), and finished rows write their new KV back as segments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from seqstate.backends.base import Capabilities
+from seqstate.backends.hf.batch import HFBatch
+from seqstate.backends.hf.prefill import ensure_kv, run_tails
+from seqstate.backends.hf.store import DEFAULT_BUDGET_BYTES, KVHandle, KVStore
+
+__all__ = ["HFBackend"]
+
+
+class HFBackend:
+    """The engine behind a `seqstate.models.Model` (see ``seqstate.backends.base.Backend``).
+
+    Parameters
+    ----------
+    hf_model : transformers.PreTrainedModel
+        A causal LM in eval mode.
+    pad_token_id : int
+        The id fed at padded positions (always masked out, so any valid id is exact).
+    kv_budget_bytes : int
+        Byte budget of the store's cache of unreferenced segments.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> model = ss.models.testing.tiny()
+    >>> backend, ids = model.backend, model.encode("Hello there")
+    >>> batch = backend.batch()
+    >>> [slot] = batch.add([ids], extra=8)                      # prefills ids[:-1]
+    >>> logits = batch.forward([slot], [ids[-1]])               # next-token logits (1, V)
+    >>> bool((logits[0] - backend.fresh_logits(ids)[-1]).abs().max() < 1e-3)
+    True
+    >>> handle = batch.commit(slot, ids, len(ids))
+    >>> batch.close()
+    >>> backend.store.match(ids).length == len(ids)
+    True
+    """
+
+    capabilities = Capabilities(name="hf", exact=True)
+
+    def __init__(self, hf_model: Any, *, pad_token_id: int,
+                 kv_budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
+        self.hf_model = hf_model
+        self.pad_token_id = pad_token_id
+        self.store = KVStore(kv_budget_bytes)
+        self.counters = dict(prefill_tokens=0, decode_tokens=0, cached_tokens_reused=0,
+                             forward_calls=0, draft_tokens_accepted=0, draft_tokens_rejected=0)
+        cfg = hf_model.config.get_text_config(decoder=True)
+        self.num_layers = cfg.num_hidden_layers
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self._decoder = hf_model.get_decoder()
+
+    # -- the network --------------------------------------------------------------------------
+    @property
+    def context_length(self) -> int:
+        cfg = self.hf_model.config.get_text_config(decoder=True)
+        return int(getattr(cfg, "max_position_embeddings", None) or 2048)
+
+    @property
+    def device(self) -> torch.device:
+        return self.hf_model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf_model.dtype
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor, cache: Any, *, logits: bool | str = True
+                ) -> torch.Tensor | None:
+        """Run ``input_ids`` (B, T) over ``cache``; last-position logits (B, V) in float32 or None.
+
+        ``attention_mask`` (B, past + T) may be None when no row is padded.  ``logits=False``
+        skips the LM head (prefill); ``logits="all"`` returns every position's (B, T, V).
+        """
+        self.count(forward_calls=1)
+        kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids, past_key_values=cache, use_cache=True)
+        if not logits:
+            self._decoder(**kwargs)                                # prefill: skip the LM head
+            return None
+        if logits == "all":
+            return self.hf_model(**kwargs, logits_to_keep=0).logits.float()   # (B, T, V)
+        out = self.hf_model(**kwargs, logits_to_keep=1)
+        return out.logits[:, -1, :].float()                       # (B, V)
+
+    @torch.inference_mode()
+    def fresh_logits(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Logits (T, V) of a fresh forward over ``tokens``, no cache: the exactness reference."""
+        out = self.hf_model(input_ids=torch.tensor([list(tokens)], device=self.device),
+                            use_cache=False)
+        return out.logits[0].float()
+
+    # -- counters -----------------------------------------------------------------------------
+    def count(self, **deltas: int) -> None:
+        """Add to the work counters (the model's ``stats``)."""
+        for k, v in deltas.items():
+            self.counters[k] += v
+
+    def kv_stats(self) -> dict[str, int]:
+        s = self.store
+        with s.lock:
+            return dict(kv_bytes_held=s.bytes_held, kv_bytes_cached=s.bytes_cached,
+                        evictions=s.evictions, segments=s.num_segments)
+
+    # -- the Backend protocol -----------------------------------------------------------------
+    def batch(self) -> HFBatch:
+        """A new, empty batch."""
+        return HFBatch(self)
+
+    def score(self, prefixes: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]
+              ) -> list[list[tuple[list[float], KVHandle]]]:
+        """All (prefix, continuation) pairs in one batched forward over the continuations."""
+        bases = ensure_kv(self, prefixes)
+        rows = [(tuple(p) + tuple(c[:-1]), h) for p, h in zip(prefixes, bases) for c in continuations]
+        handles, logits = run_tails(self, rows, logits=True)                        # (B, T, V)
+        logprobs = logits.log_softmax(dim=-1)
+        width = logprobs.shape[1]
+        out, k = [], 0
+        for _ in prefixes:
+            per = []
+            for c in continuations:
+                cols = range(width - len(c), width)             # the tail is prefix[-1] + c[:-1]
+                per.append(([logprobs[k, col, tok].item() for col, tok in zip(cols, c)], handles[k]))
+                k += 1
+            out.append(per)
+        return out

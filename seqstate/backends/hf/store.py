@@ -1,0 +1,160 @@
+"""The HF engine's KV store: immutable torch KV segments on the shared radix tree.
+
+A `Segment` is a `seqstate.radix.Node` whose payload is the keys and values of its tokens for
+every layer, one tensor ``(layers, 2, kv_heads, n, head_dim)``, never written after creation.
+A `KVHandle` names a prefix of the path from the root to a segment; states hold handles, so
+slicing back is a handle to an earlier position (a view) and forking shares one.
+
+Any token sequence is matched against the tree, so a prefix computed for one state is reused by
+every other state, including ones built from plain strings.  Segments pinned by a live handle are
+never evicted; the others stay as a cache, dropped least-recently-used (leaves first) when the
+store is over its byte budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from seqstate.radix import Node, PinnedPrefix, RadixTree
+
+__all__ = ["Segment", "KVHandle", "KVStore", "DEFAULT_BUDGET_BYTES"]
+
+DEFAULT_BUDGET_BYTES = 1 << 30
+
+
+class Segment(Node):
+    """A span of stored tokens and their KV, accounted by its bytes."""
+
+    __slots__ = ("kv",)
+
+    def __init__(self, parent: Segment | None, offset: int, tokens: tuple[int, ...],
+                 kv: torch.Tensor | None) -> None:
+        super().__init__(parent, offset, tokens)
+        self.kv = kv                                  # (layers, 2, kv_heads, len, head_dim)
+
+    @property
+    def weight(self) -> int:
+        return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
+
+
+class KVHandle(PinnedPrefix):
+    """A pinned reference to the KV of the first ``length`` tokens of a path in the store.
+
+    While the handle is alive its segment (and so, as it is not a leaf, every ancestor) cannot be
+    evicted.  Handles are shared freely between states; they are never mutated.
+    """
+
+    __slots__ = ()
+
+    def pieces(self) -> list[tuple[Segment, int, int]]:
+        """``(segment, lo, hi)`` spans, root first, whose KV concatenated is this handle's KV."""
+        out, seg, hi = [], self.node, self.rel
+        while seg.parent is not None:
+            if hi > 0:
+                out.append((seg, 0, hi))
+            hi, seg = seg.offset, seg.parent
+        out.reverse()
+        return out
+
+
+class KVStore:
+    """The per-model radix store.  Thread-safe; every public method takes the tree's lock.
+
+    Parameters
+    ----------
+    budget_bytes : int
+        Unpinned segments are evicted (LRU, leaves first) while the store holds more than this.
+
+    Examples
+    --------
+    >>> import torch
+    >>> store = KVStore()
+    >>> kv = torch.zeros(2, 2, 1, 3, 4)                   # 2 layers, 1 KV head, 3 tokens
+    >>> h = store.extend([5, 6, 7], 0, kv)
+    >>> store.match([5, 6, 7, 8]).length, store.bytes_held == kv.numel() * 4
+    (3, True)
+    >>> del h
+    >>> store.clear() == kv.numel() * 4
+    True
+    """
+
+    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
+        self.budget_bytes = budget_bytes
+        self.tree: RadixTree[Segment] = RadixTree(Segment(None, 0, (), None), KVHandle)
+        self.lock = self.tree.lock
+
+    # -- accounting ---------------------------------------------------------------------------
+    @property
+    def bytes_cached(self) -> int:
+        return self.tree.size
+
+    @property
+    def bytes_held(self) -> int:
+        return self.tree.held
+
+    @property
+    def num_segments(self) -> int:
+        return self.tree.count
+
+    @property
+    def evictions(self) -> int:
+        return self.tree.evictions
+
+    # -- lookup and insertion -----------------------------------------------------------------
+    def match(self, tokens: Sequence[int], limit: int | None = None) -> KVHandle:
+        """A handle on the longest prefix of ``tokens[:limit]`` whose KV is in the store."""
+        return self.tree.match(tokens, limit)
+
+    def extend(self, tokens: Sequence[int], start: int, kv: torch.Tensor) -> KVHandle:
+        """Add the KV ``kv`` of ``tokens[start:start + n]``; ``tokens[:start]`` must be stored.
+
+        Tokens already present (computed by another row) are kept as they are and the duplicate
+        KV is dropped, so every prefix is stored once.  Returns a handle on ``start + n`` tokens.
+        """
+        n = kv.shape[3]
+        end = start + n
+        with self.lock:
+            seg, rel = self.tree.walk(tokens, end)
+            stored = seg.start + rel
+            if stored < start:
+                raise RuntimeError(f"KV for tokens[:{start}] is not stored (found {stored})")
+            if stored < end:
+                skip = stored - start
+                part = kv[:, :, :, skip:].contiguous() if skip else kv
+                seg = self.tree.attach(Segment(seg, rel, tuple(tokens[stored:end]), part))
+                rel = n - skip
+            handle = self.tree.handle(seg, rel)
+            self.evict()
+            return handle
+
+    # -- eviction and checking ----------------------------------------------------------------
+    def evict(self, budget_bytes: int | None = None) -> int:
+        """Drop unpinned leaf segments, least recently used first, until under the budget.
+
+        Returns the number of bytes freed.  Pinned segments (and their ancestors) stay.
+        """
+        budget = self.budget_bytes if budget_bytes is None else budget_bytes
+        freed = 0
+        with self.lock:
+            while self.tree.size > budget:
+                leaf = self.tree.lru_leaf()
+                if leaf is None:
+                    break
+                self.tree.remove(leaf)
+                freed += leaf.weight
+        return freed
+
+    def clear(self) -> int:
+        """Evict every unpinned segment."""
+        return self.evict(0)
+
+    def verify(self) -> None:
+        """Check the tree and the byte/pin accounting; raises RuntimeError when inconsistent."""
+        self.tree.verify(_check_segment)
+
+
+def _check_segment(seg: Segment) -> None:
+    if seg.kv is None or seg.kv.shape[3] != len(seg.tokens):
+        raise RuntimeError(f"segment {seg!r} has no KV for its {len(seg.tokens)} tokens")

@@ -1,0 +1,313 @@
+"""One token radix tree under every engine's KV store; each engine keeps only its payload.
+
+A `Node` is a span of tokens that hangs off its parent after ``offset`` of the parent's
+tokens (children are keyed by that offset, then by their first token), so a path from the
+root spells a stored token prefix and a prefix shared by many rows is stored once.  Engines
+subclass `Node` with their payload (the HF engine: a KV tensor segment; llama.cpp: the
+sequence id that carries the path) and override `Node.weight`, the amount the tree accounts
+per node (bytes, cells).
+
+`RadixTree` owns what every store needs: the longest-prefix walk, pins through handles
+(`PinnedPrefix`), linking and unlinking nodes with their accounting, and an incremental
+set of *evictable* nodes (unpinned, childless, not the root) kept in least-recently-used
+order, so choosing what to evict is a heap pop, never a scan of the tree.  What to evict
+and when (a byte budget, no free sequence ids) stays with the engine.
+
+Examples
+--------
+>>> tree = RadixTree(Node(None, 0, ()))
+>>> a = tree.attach(Node(tree.root, 0, (1, 2, 3)))
+>>> tree.match([1, 2, 3, 4]).length          # the longest stored prefix of 1 2 3 4
+3
+>>> kept = tree.match([1, 2])                 # a live handle pins node `a`
+>>> tree.lru_leaf() is None
+True
+>>> del kept
+>>> tree.lru_leaf() is a
+True
+>>> tree.verify()
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Node", "PinnedPrefix", "RadixTree"]
+
+
+class Node:
+    """A span of stored tokens, hanging off ``parent`` after ``offset`` of its tokens.
+
+    ``start`` is the position of the first token in the path; ``pins`` counts live handles
+    ending in this node; ``last_used`` is the tick of the last walk that reached it.
+    """
+
+    __slots__ = ("__weakref__", "children", "last_used", "offset", "parent", "pins", "start",
+                 "tokens")
+
+    def __init__(self, parent: Node | None, offset: int, tokens: tuple[int, ...]) -> None:
+        self.parent = parent
+        self.offset = offset                          # parent tokens that precede this node
+        self.start = 0 if parent is None else parent.start + offset
+        self.tokens = tokens
+        self.children: dict[int, dict[int, Node]] = {}   # offset -> first token -> child
+        self.pins = 0
+        self.last_used = 0
+
+    @property
+    def end(self) -> int:
+        """Position just past this node's last token."""
+        return self.start + len(self.tokens)
+
+    @property
+    def weight(self) -> int:
+        """What the tree accounts for this node (tokens here; payloads count bytes, cells).
+        Constant over the node's life."""
+        return len(self.tokens)
+
+    def child(self, offset: int, token: int) -> Node | None:
+        return self.children.get(offset, {}).get(token)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(start={self.start}, len={len(self.tokens)}, "
+                f"pins={self.pins})")
+
+
+N = TypeVar("N", bound=Node)
+
+
+class PinnedPrefix:
+    """A pinned reference to the first ``length`` tokens of a stored path.
+
+    ``node`` is the node the prefix ends in and ``rel`` how many of its tokens are included.
+    While the handle is alive ``tree`` keeps the node, and so every ancestor
+    (``tree._pin(node, +1)``; the matching ``-1`` runs when the handle is collected).
+    Handles are immutable and shared freely between states.
+    """
+
+    __slots__ = ("__weakref__", "node", "rel", "tree")
+
+    def __init__(self, tree: Any, node: Any, rel: int) -> None:
+        self.tree = tree
+        self.node = node
+        self.rel = rel                                # tokens of `node` included
+        tree._pin(node, +1)
+        weakref.finalize(self, tree._pin, node, -1)
+
+    @property
+    def length(self) -> int:
+        """Number of tokens, from position 0, this handle names."""
+        return self.node.start + self.rel
+
+    def prefix(self, n: int) -> PinnedPrefix:
+        """A handle on the first ``n`` tokens (``n`` is clipped to this handle's length)."""
+        n = max(0, min(n, self.length))
+        if n == self.length:
+            return self
+        node = self.node
+        while node.parent is not None and n <= node.start:
+            node = node.parent
+        return type(self)(self.tree, node, n - node.start)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(length={self.length})"
+
+
+class RadixTree(Generic[N]):
+    """The tree, its pins and accounting, and the LRU order of evictable nodes.
+
+    Thread-safe: every method takes ``lock`` (re-entrant, as a handle's finalizer may unpin
+    from inside another operation when garbage collection runs there).
+
+    Parameters
+    ----------
+    root : Node
+        An empty node of the engine's payload type (no parent, no tokens); never evicted.
+    handle : type of PinnedPrefix
+        The class of the handles `match` and `handle` give out.
+    """
+
+    def __init__(self, root: N, handle: type[PinnedPrefix] = PinnedPrefix) -> None:
+        if root.parent is not None or root.tokens:
+            raise ValueError(f"the root must have no parent and no tokens, got {root!r}")
+        self.root = root
+        self.handle_type = handle
+        self.lock = threading.RLock()
+        self.size = 0                                 # total weight of every node but the root
+        self.held = 0                                 # weight of pinned nodes
+        self.count = 0                                # nodes but the root
+        self.evictions = 0                            # nodes removed
+        self._tick = itertools.count(1)
+        self._evictable: set[N] = set()
+        # (last_used, tie-break, node): an entry is current while the node is evictable and
+        # its last_used is unchanged; stale entries are skipped on pop, dropped on rebuild
+        self._lru: list[tuple[int, int, N]] = []
+        self._order = itertools.count()
+
+    # -- lookup -------------------------------------------------------------------------------
+    def walk(self, tokens: Sequence[int], limit: int | None = None) -> tuple[N, int]:
+        """``(node, rel)`` where the longest stored prefix of ``tokens[:limit]`` ends; marks
+        the path as used now.  ``rel`` is 0 only at the root."""
+        limit = len(tokens) if limit is None else limit
+        with self.lock:
+            node, rel, pos = self.root, 0, 0
+            tick = next(self._tick)
+            node.last_used = tick
+            while pos < limit:
+                tok = tokens[pos]
+                if rel < len(node.tokens) and node.tokens[rel] == tok:
+                    rel += 1
+                    pos += 1
+                    continue
+                nxt = node.child(rel, tok)
+                if nxt is None:
+                    break
+                node, rel = nxt, 0
+                node.last_used = tick
+            if node in self._evictable:               # only the last node can be a leaf
+                self._push(node)
+            return node, rel
+
+    def handle(self, node: N, rel: int) -> PinnedPrefix:
+        """A pinned handle on the first ``node.start + rel`` tokens of ``node``'s path."""
+        return self.handle_type(self, node, rel)
+
+    def match(self, tokens: Sequence[int], limit: int | None = None) -> PinnedPrefix:
+        """A handle on the longest stored prefix of ``tokens[:limit]``."""
+        with self.lock:
+            return self.handle(*self.walk(tokens, limit))
+
+    # -- linking ------------------------------------------------------------------------------
+    def attach(self, node: N) -> N:
+        """Link a new ``node`` (built with its parent and offset) below its parent.
+
+        Its first token must not start another child at the same offset, and it must hang
+        where a walk can reach it: inside or at the end of the parent's tokens, past the first
+        (a walk enters a node on its first token).  Marked as used now.
+        """
+        parent = node.parent
+        with self.lock:
+            if parent is None or not node.tokens or node.pins:
+                raise ValueError(f"cannot attach {node!r}: it needs a parent, tokens, no pins")
+            if not (0 < node.offset or parent is self.root) or node.offset > len(parent.tokens):
+                raise ValueError(f"cannot attach {node!r} at offset {node.offset} of {parent!r}")
+            if parent is not self.root and (parent.parent is None or parent.parent.child(
+                    parent.offset, parent.tokens[0]) is not parent):
+                raise ValueError(f"cannot attach below {parent!r}: it is not in the tree")
+            group = parent.children.setdefault(node.offset, {})
+            if node.tokens[0] in group:
+                raise ValueError(f"{parent!r} already has a child at offset {node.offset} "
+                                 f"starting with token {node.tokens[0]}")
+            group[node.tokens[0]] = node
+            self._evictable.discard(parent)
+            node.last_used = next(self._tick)
+            self.size += node.weight
+            self.count += 1
+            self._evictable.add(node)
+            self._push(node)
+            return node
+
+    def remove(self, node: N) -> None:
+        """Unlink an evictable ``node`` (unpinned, childless); its parent may become evictable."""
+        with self.lock:
+            if node not in self._evictable:
+                raise ValueError(f"{node!r} is pinned, has children or is not in the tree")
+            parent = node.parent
+            group = parent.children[node.offset]
+            del group[node.tokens[0]]
+            if not group:
+                del parent.children[node.offset]
+            self._evictable.discard(node)
+            self.size -= node.weight
+            self.count -= 1
+            self.evictions += 1
+            self._maybe_evictable(parent)
+
+    # -- pins and eviction order --------------------------------------------------------------
+    def _pin(self, node: N, delta: int) -> None:
+        with self.lock:
+            before = node.pins
+            node.pins += delta
+            if before == 0 and node.pins > 0:
+                self.held += node.weight
+                self._evictable.discard(node)
+            elif before > 0 and node.pins == 0:
+                self.held -= node.weight
+                self._maybe_evictable(node)
+
+    def _maybe_evictable(self, node: N) -> None:
+        if node.parent is not None and not node.children and node.pins == 0:
+            self._evictable.add(node)
+            self._push(node)
+
+    def _push(self, node: N) -> None:
+        heapq.heappush(self._lru, (node.last_used, next(self._order), node))
+        if len(self._lru) > 2 * len(self._evictable) + 64:
+            self._lru = [(n.last_used, next(self._order), n) for n in self._evictable]
+            heapq.heapify(self._lru)
+
+    def lru_leaf(self) -> N | None:
+        """The least recently used evictable node, or None when every leaf is pinned."""
+        with self.lock:
+            while self._lru:
+                used, _, node = entry = self._lru[0]
+                if node in self._evictable and node.last_used == used:
+                    return node
+                if self._lru[0] is entry:         # else an unpin (a finalizer) pushed meanwhile
+                    heapq.heappop(self._lru)
+            return None
+
+    # -- iteration and checking ---------------------------------------------------------------
+    def nodes(self) -> Iterator[N]:
+        """Every node but the root (depth first; take ``lock`` while iterating)."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node is not self.root:
+                yield node
+            for group in node.children.values():
+                stack.extend(group.values())
+
+    def verify(self, check: Callable[[N], None] | None = None) -> None:
+        """Check links, positions, pins, accounting and the evictable set; then ``check(node)``
+        (the payload's own checks) on every node but the root.  Raises RuntimeError."""
+        with self.lock:
+            if self.root.parent is not None or self.root.tokens or self.root in self._evictable:
+                raise RuntimeError(f"corrupt root {self.root!r}")
+            size = held = count = 0
+            evictable = set()
+            for node in self.nodes():
+                self._verify_links(node)
+                count += 1
+                size += node.weight
+                held += node.weight if node.pins else 0
+                if not node.children and not node.pins:
+                    evictable.add(node)
+                if check is not None:
+                    check(node)
+            if (size, held, count) != (self.size, self.held, self.count):
+                raise RuntimeError(f"accounting drift: the tree has {size} / {held} held / {count} "
+                                   f"nodes, counters say {self.size} / {self.held} / {self.count}")
+            if evictable != self._evictable:
+                raise RuntimeError(f"evictable set drift: {len(evictable)} unpinned leaves, set "
+                                   f"holds {len(self._evictable)}")
+            current = {id(n) for used, _, n in self._lru if n.last_used == used}
+            if any(id(n) not in current for n in evictable):
+                raise RuntimeError("an evictable node has no current entry in the LRU order")
+
+    def _verify_links(self, node: N) -> None:
+        parent = node.parent
+        if node.pins < 0 or not node.tokens:
+            raise RuntimeError(f"corrupt node {node!r}")
+        if not (0 < node.offset or parent is self.root) or node.offset > len(parent.tokens):
+            raise RuntimeError(f"node {node!r} hangs outside its parent {parent!r}")
+        if node.start != parent.start + node.offset:
+            raise RuntimeError(f"node {node!r} starts at {node.start}, its parent says "
+                               f"{parent.start + node.offset}")
+        if parent.child(node.offset, node.tokens[0]) is not node:
+            raise RuntimeError(f"node {node!r} is not linked from its parent")
