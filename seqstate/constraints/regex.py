@@ -211,11 +211,9 @@ def _common_prefix(items: list[bytes]) -> bytes:
 
 
 def _cached(model, key: str, build: Callable) -> Any:
-    """``build(model)``, computed once per model (kept in its constraint cache)."""
-    cache = model.constraint_cache
-    if (key,) not in cache:
-        cache[(key,)] = build(model)
-    return cache[(key,)]
+    """``build(model)``, computed once per tokenizer and set of EOS ids: models and engines
+    sharing a tokenizer share the table (kept with its `TokenVocabulary`)."""
+    return model.vocab.table((key, model.eos_token_ids), lambda: build(model))
 
 
 def _vocabulary(model) -> Vocabulary:
