@@ -66,11 +66,19 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
     >>> len(answers), all(a in ("yes", "no") for a in answers)
     (3, True)
     """
-    items = list(inputs)
+    # every argument is checked before a generator of inputs is consumed
     if not callable(program):
         raise ArgumentError(f"program must be a function of one input, got {program!r}")
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise ArgumentError(f"concurrency must be an int >= 1, got {concurrency!r}")
+    if progress is not None and not isinstance(progress, bool):
+        raise ArgumentError(f"progress must be True, False or None (automatic), got {progress!r}")
+    if not isinstance(return_exceptions, bool):
+        raise ArgumentError(f"return_exceptions must be True or False, got {return_exceptions!r}")
+    if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Iterable):
+        raise ArgumentError(f"inputs must be an iterable of inputs (a list, a generator), got "
+                            f"{type(inputs).__name__} {inputs!r:.60}; for one input write [x]")
+    items = list(inputs)
     results: list[Any] = [None] * len(items)
     errors: dict[int, BaseException] = {}
     lock = threading.Lock()

@@ -82,8 +82,11 @@ class CallOptions(TypedDict, total=False):
         Most rollbacks hooks may ask for per row before it finishes with ``"max_backtracks"``.
     speculate : bool, default True
         Constraint-guided speculation: text a constraint forces is drafted in its canonical
-        tokens and verified by the model in one forward; the sampler's own choice is kept at
-        every position, so the output is the same as without it.  False decodes token by token.
+        tokens and verified by the model in one forward, and the sampler still chooses at
+        every position.  Greedy output is the same as with False; sampled output has the
+        same distribution, but a seeded call with several rows may draw other samples than
+        with False, because verifying drafts consumes its RNG in another order (a one-row
+        call consumes it in the same order).  False decodes token by token.
     name : str or None, default None
         Record this call's value as a named capture: ``state[name]``.
     progress : bool or None, default None

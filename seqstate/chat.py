@@ -14,12 +14,12 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from seqstate.errors import ChatTemplateError
+from seqstate.errors import ArgumentError, ChatTemplateError
 
 if TYPE_CHECKING:
     from seqstate.state import Row, SequenceState
 
-__all__ = ["Chat", "chat", "add_turn", "add_reply"]
+__all__ = ["Chat", "chat", "add_turn", "add_reply", "markup_end"]
 
 ROLES = ("system", "user", "assistant")
 
@@ -31,6 +31,7 @@ class Chat:
     messages: tuple[tuple[str, str], ...] = ()   # closed turns: (role, content)
     ends: tuple[int, ...] = ()                  # the row's length after each closed turn
     open_at: int | None = None                  # where the open assistant turn's content begins
+    answered: bool = False                      # the open turn was given text (maybe "")
 
     def prefix(self, n: int) -> Chat | None:
         """The conversation of the row's first ``n`` tokens; None where ``n`` cuts a turn's
@@ -43,6 +44,17 @@ class Chat:
             if self.ends[k - 1] == n:
                 return Chat(self.messages[:k], self.ends[:k])
         return None
+
+
+def markup_end(row: Row) -> int:
+    """Where the row's text after its chat markup begins (0 for a row that is no chat):
+    edits of the row's tail, such as token healing, never reach before it."""
+    chat = row.chat
+    if chat is None:
+        return 0
+    if chat.open_at is not None:
+        return chat.open_at
+    return max(chat.ends[-1], 0) if chat.ends else 0
 
 
 def chat(model: Any) -> SequenceState:
@@ -60,6 +72,10 @@ def chat(model: Any) -> SequenceState:
     """
     from seqstate.state import Row, SequenceState
 
+    if not all(hasattr(model, name) for name in ("hf_tokenizer", "vocab", "encode")):
+        raise ArgumentError(f"ss.chat() takes a seqstate model (ss.models.default(), "
+                            f"ss.models.transformers(...)), got {type(model).__name__} "
+                            f"{model!r:.60}")
     _render(model, [], False)              # a model without a template fails here, not later
     return SequenceState(model, (Row((), None, (), (), (), Chat()),), 1, 1)
 
@@ -126,8 +142,31 @@ def _grown(before: str, after: str, what: str) -> str:
     return after[len(before):]
 
 
+def _replied(row: Row) -> bool:
+    """Whether the open assistant turn has a reply: tokens, a generator call (even one that
+    made no token) or text given to ``.assistant()``."""
+    chat = row.chat
+    return (len(row.tokens) > chat.open_at or chat.answered
+            or any(span.start >= chat.open_at for span in row.spans))
+
+
+def _unopen(model: Any, row: Row) -> Row:
+    """The row without the assistant turn that ``.user()`` opened and nobody answered: its
+    generation prompt is taken back (KV kept), so ``.user(a).user(b)`` renders two user
+    turns, as ``apply_chat_template`` does, not an empty assistant turn between them."""
+    chat = row.chat
+    closed = _render(model, chat.messages, False)
+    k, rest = model.vocab.char_prefix_tokens(row.tokens, len(closed))
+    extra = model.encode(rest) if rest else []
+    kept = row.select(range(k), keep_kv=True).extended(extra)
+    return dataclasses.replace(kept, chat=Chat(chat.messages,
+                                               chat.ends[:-1] + (k + len(extra),)))
+
+
 def _turn(model: Any, row: Row, role: str, content: str) -> Row:
-    chat = _chat_of(row)
+    if _chat_of(row).open_at is not None and not _replied(row):
+        row = _unopen(model, row)
+    chat = row.chat
     messages = chat.messages
     have = model.vocab.decode(row.tokens)
     pieces: list[tuple[str, str | None]] = []
@@ -158,21 +197,24 @@ def _open(model: Any, row: Row) -> Row:
 def _broadcast(state: SequenceState, content: Any) -> SequenceState:
     """A one-item batch becomes one batch item per text of a list (the conversation so far
     is shared: its rows are references, its KV stored once)."""
-    if (state.n_batch == 1 and isinstance(content, (list, tuple)) and len(content) > 1
-            and len(content) != len(state.rows)):
+    if state.n_batch == 1 and isinstance(content, (list, tuple)) and len(content) > 1:
         return state._with_rows(list(state.rows) * len(content), batch=len(content))
     return state
 
 
 def add_turn(state: SequenceState, role: str, content: str | Sequence[str]) -> SequenceState:
     """``state.system(...)`` / ``state.user(...)``: a new turn on every row.  A list gives
-    one text per batch item (a one-item conversation branches into one per text) or per
-    row."""
+    one text per batch item: a one-item conversation branches into one batch item per text
+    (each keeping its samples); a larger batch takes one text per batch item or per row."""
     if role not in ROLES:
         raise ChatTemplateError(f"role must be one of {ROLES}, got {role!r}")
     state = _broadcast(state, content)
     texts = _texts(state, content, role)
     return state._with_rows([_turn(state.model, r, role, t) for r, t in zip(state.rows, texts)])
+
+
+def _answered(row: Row) -> Row:
+    return dataclasses.replace(row, chat=dataclasses.replace(row.chat, answered=True))
 
 
 def add_reply(state: SequenceState, reply: Any, call: dict[str, Any]) -> SequenceState:
@@ -184,7 +226,7 @@ def add_reply(state: SequenceState, reply: Any, call: dict[str, Any]) -> Sequenc
             raise ChatTemplateError(f"keywords {sorted(call)} apply to a generator reply, not to "
                                     "text")
         texts = _texts(opened, reply, "assistant")
-        return opened._with_rows([r.extended(state.model.encode(t))
+        return opened._with_rows([_answered(r.extended(state.model.encode(t)))
                                   for r, t in zip(opened.rows, texts)])
     if not callable(reply):
         raise ChatTemplateError(f"an assistant reply is text or a generator, got {reply!r}")

@@ -20,6 +20,7 @@ import torch
 
 from seqstate.call import (CALL_PARAMETERS, DEFAULT_MAX_TOKENS, MAX_CONSTRAINED_TOKENS, Call,
                            CallOptions)
+from seqstate.chat import markup_end
 from seqstate.constraints import compile as compiled
 from seqstate.constraints.healing import HealingCursor, heal_span
 from seqstate.constraints.regex import RegexConstraint
@@ -117,7 +118,9 @@ class Generator:
 
     def _healed(self, row: Row) -> tuple[Row, str, Any]:
         """Back up the row's trailing tokens for token healing: (kept row, removed text, cursor)."""
-        k = heal_span(self.model.vocab, row.tokens)
+        # a chat's template markup is not the prompt's text: healing re-spells the reply only
+        floor = markup_end(row)
+        k = heal_span(self.model.vocab, row.tokens[max(floor - 1, 0):])
         if k == 0:
             return row, "", None if self.constraint is None else self.constraint.start()
         removed = self.model.vocab.decode(row.tokens[-k:])
@@ -162,7 +165,8 @@ class Generator:
         for r in state.rows:
             last = r.last_span
             removed = ""
-            if resume and last is not None and last.end == len(r.tokens) and r.cursors[-1] is not None:
+            if resume and last is not None and last.end == len(r.tokens) and (
+                    r.cursors[-1] is not None or self._free_text(last)):
                 cursor, start = r.cursors[-1], last.start
             elif call.token_healing:
                 r, removed, cursor = self._healed(r)
@@ -176,6 +180,12 @@ class Generator:
         state = SequenceState(self.model, tuple(rows), state.n_batch, state.n_samples)
         return state, self._requests(state, call, cursors, healed), span_starts, healed
 
+    def _free_text(self, span: Span) -> bool:
+        """Whether ``span`` is free text that this (free-text) generator continues on resume."""
+        made = span.generator
+        return (self.constraint is None and type(self) is Generator and type(made) is Generator
+                and made.constraint is None)
+
     def _row(self, old: Row, res: RowResult, span_start: int | None, healed: str,
              name: str | None) -> Row:
         cursor = res.cursors[-1] if res.cursors else None
@@ -184,10 +194,13 @@ class Generator:
         text = self.model.vocab.decode(res.tokens[start:res.start]) + res.text
         reason = res.finish_reason
         if self.constraint is None:
-            value = res.text[len(healed):]
-        elif reason == "constraint_complete" or (cursor is not None and cursor.accepting):
-            # a value the grammar allows but the schema does not (uniqueItems, ...) is never
-            # returned as valid
+            value = text[len(healed):]          # a resumed reply's value is the whole reply
+        elif reason == "constraint_complete" or (reason == "stop" and cursor is not None
+                                                 and cursor.accepting):
+            # only a completed constraint has a value: a row cut by max_tokens (or a hook's
+            # limit) has none even where its text matches ("66" of [0-9]{1,3} was cut, not
+            # chosen).  A value the grammar allows but the schema does not (uniqueItems, ...)
+            # is never returned as valid.
             constraint = getattr(cursor, "constraint", None) or self.constraint
             validate = getattr(constraint, "validate", None)
             if validate is not None and validate(text) is not None:

@@ -63,7 +63,8 @@ class HookError(SeqStateError, RuntimeError):
 
 
 class ArgumentError(SeqStateError, TypeError, ValueError):
-    """A keyword argument of the wrong type or value (a generator call's or a sampler's).
+    """An argument of the wrong type or value: a generator call's or a sampler's keyword, or
+    what ``ss.chat`` and ``ss.run_batch`` are given.
 
     It is both a ``TypeError`` and a ``ValueError``, so code written for either catches it.
     """

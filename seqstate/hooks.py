@@ -159,7 +159,7 @@ class _BanPhrases:
 
 def ban_phrases(phrases: Sequence[str], *, regex: bool = False, ignore_case: bool = True,
                 lookback: int = 200) -> Callable[[SampleEvent], Action]:
-    """A hook that never lets the generated text contain any of ``phrases``.
+    r"""A hook that never lets the generated text contain any of ``phrases``.
 
     Matching runs across token boundaries: when a phrase completes, the row rolls back to the
     token where it started (KV and constraint state included) and resamples there with that

@@ -76,6 +76,23 @@ def test_resume_continues_the_constraint_where_the_state_stands(tiny):
     assert str(resumed).startswith(str(back))
 
 
+@pytest.mark.parametrize("make, max_tokens", [
+    (lambda m: ss.regex(m, r"[0-9]{1,3}"), 1),
+    (lambda m: ss.choice(m, ["07", "0789"]), 2),
+    (lambda m: ss.json(m, {"type": "integer", "minimum": 0, "maximum": 999}), 1),
+    (lambda m: ss.cfg(m, "start: /[0-9]{1,3}/"), 1),
+], ids=["regex", "choice", "json", "cfg"])
+def test_a_call_cut_by_max_tokens_has_no_value(tiny, make, max_tokens):
+    gen = make(tiny)
+    s = gen("n=", max_tokens=max_tokens, name="n")
+    # the cut text already matches (the cursor accepts) but the constraint could go on
+    assert s.rows[0].cursors[-1].accepting and not s.rows[0].cursors[-1].complete
+    assert s.finish_reason == "max_tokens"
+    assert s.value is None and s["n"] is None
+    done = gen.resume(s)
+    assert done.finish_reason == "constraint_complete" and done.value is not None
+
+
 def test_constraint_errors_at_construction(tiny):
     with pytest.raises(ss.ConstraintError):
         ss.regex(tiny, r"([a-z")

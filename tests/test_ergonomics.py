@@ -4,6 +4,7 @@ sampling options (issue 15)."""
 import copy
 import dataclasses
 import inspect
+import pathlib
 
 import pytest
 import torch
@@ -44,6 +45,19 @@ def test_a_cut_capture_is_gone_and_resume_keeps_the_name(tiny):
     assert span.end - span.start >= 2
     resumed = code.resume(s.tokens[:span.start + 1])     # the constrained call goes on
     assert resumed["code"] == resumed.value and len(resumed.value) == 16
+
+
+def test_free_text_resumes_like_constrained_calls(tiny):
+    text = ss.text(tiny)
+    s = text("Story:", max_tokens=12, name="story")
+    span = s.rows[0].spans[-1]
+    cut = s.tokens[:span.start + 5]
+    resumed = text.resume(cut, max_tokens=7)
+    reply = tiny.vocab.decode(resumed.rows[0].tokens[span.start:])
+    # one call, resumed: the capture is kept and the value is the whole reply, as for regex
+    assert resumed.value == resumed["story"] == reply
+    assert len(resumed.rows[0].spans) == 1 and resumed.rows[0].spans[0].start == span.start
+    assert resumed.token_ids == s.token_ids                    # greedy: the same reply again
 
 
 def test_each_beam_has_its_own_captures(tiny):
@@ -129,6 +143,57 @@ def test_a_list_of_turns_branches_a_conversation(tiny):
         s.user(["a", "b", "c"])
 
 
+@pytest.mark.real
+def test_turns_without_a_reply_between_them_render_as_the_template_does(real):
+    s = ss.chat(real).user("Name a fruit.").user("Name a colour.")
+    msgs = [("user", "Name a fruit."), ("user", "Name a colour.")]
+    assert s.token_ids[0][0] == template_ids(real, msgs)
+    s = ss.chat(real).user("Name a fruit.").system("Be brief.")
+    msgs = [("user", "Name a fruit."), ("system", "Be brief.")]
+    assert s.token_ids[0][0] == template_ids(real, msgs, opened=False)
+    assert s.user("Go.").token_ids[0][0] == template_ids(real, msgs + [("user", "Go.")])
+    # an empty reply given on purpose is a turn
+    s = ss.chat(real).user("Hi").assistant("").user("Again")
+    assert s.token_ids[0][0] == template_ids(
+        real, [("user", "Hi"), ("assistant", ""), ("user", "Again")])
+
+
+def test_taking_back_an_unanswered_turn_keeps_the_kv(fresh_tiny):
+    s = ss.chat(fresh_tiny).user("Name a fruit.")
+    ss.text(fresh_tiny)(s, max_tokens=1)                    # the first turn's KV is stored
+    t = s.user("Name a colour.")
+    before = fresh_tiny.stats
+    ss.text(fresh_tiny)(t, max_tokens=1)
+    # the first user turn is not computed again
+    assert (fresh_tiny.stats - before).cached_tokens_reused >= t.rows[0].chat.ends[0]
+
+
+def test_a_list_of_turns_branches_every_sample(tiny):
+    s = ss.text(tiny)(ss.chat(tiny).user("Say hi."), num_samples=2, max_tokens=3,
+                      sampler=ss.multinomial(), seed=0)
+    assert s.shape == (1, 2)
+    t = s.user(["Name a fruit.", "Name a colour."])
+    assert t.shape == (2, 2)
+    for b, q in enumerate(["Name a fruit.", "Name a colour."]):
+        for k in range(2):
+            assert t.rows[b * 2 + k].chat.messages[-1] == ("user", q)
+            assert t.rows[b * 2 + k].tokens[:len(s.rows[k].tokens)] == s.rows[k].tokens
+
+
+def test_token_healing_keeps_the_conversation(tiny):
+    s = ss.chat(tiny).user("Hi")
+    r = s.assistant(ss.text(tiny), max_tokens=3, token_healing=True, name="r")
+    assert r.rows[0].chat is not None
+    msgs = [("user", "Hi"), ("assistant", r["r"]), ("user", "More")]
+    assert r.user("More").token_ids[0][0] == template_ids(tiny, msgs)
+    # healing re-spells the reply's own text, never the template's markup
+    s = s.assistant("The url is http")
+    healed = ss.text(tiny)(s, max_tokens=3, token_healing=True)
+    assert healed.rows[0].spans[-1].start < len(s.rows[0].tokens)        # "http" was healed
+    assert healed.rows[0].chat.open_at == s.rows[0].chat.open_at
+    assert str(healed).startswith(str(s)) and healed.user("ok").shape == (1, 1)
+
+
 def test_chat_errors(tiny):
     tok = copy.deepcopy(tiny.hf_tokenizer)
     tok.chat_template = None
@@ -168,6 +233,23 @@ def test_the_keyword_reference_states_the_real_defaults():
     assert f"None: {DEFAULT_MAX_TOKENS} for free text" in CALL_PARAMETERS
     assert f"bounded by {MAX_CONSTRAINED_TOKENS} tokens" in CALL_PARAMETERS
     assert f"max_backtracks : int, default {DEFAULT_MAX_BACKTRACKS}" in CALL_PARAMETERS
+
+
+def test_the_speculate_reference_says_what_holds(tiny):
+    from seqstate.call import CALL_PARAMETERS
+
+    doc = " ".join(CALL_PARAMETERS.split())
+    assert "the output is the same as without it" not in doc
+    assert "Greedy output is the same as with False" in doc
+    assert "a seeded call with several rows may draw other samples" in doc
+    gen = ss.choice(tiny, ["alpha beta gamma", "alpha delta"])
+    assert gen("x").token_ids == gen("x", speculate=False).token_ids
+
+
+def test_reliability_page_describes_the_scheduler():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    page = (root / "docs/concepts/reliability.md").read_text()
+    assert "serialised" not in page and "one worker thread" in page
 
 
 def test_call_options_type_the_same_keywords_as_call():

@@ -2,15 +2,17 @@
 
 import json
 import re
+from typing import Literal, Optional
 
 import jsonschema
 import pytest
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 import seqstate as ss
 from seqstate.constraints import compile as compiled
 from seqstate.constraints.json_formats import FORMATS, format_checker
+from seqstate.constraints.json_lark import LLGUIDANCE_QUOTES_LONG_CONSTANTS
 from seqstate.constraints.json_schema import prepare
 
 HOT = ss.multinomial(temperature=1.5)
@@ -123,6 +125,60 @@ def test_non_ascii_strings_are_byte_exact(tiny):
         assert re.fullmatch("[éèàü]{2,5}", value["accent"])
     assert accepts(gen.constraint, '{"word": "日本語", "accent": "éü"}')
     assert not accepts(gen.constraint, '{"word": "cafe", "accent": "éü"}')
+
+
+SHORT_CONST = 'a "b"\nc'
+LONG_CONST = 'She said "hello"\nand then left the building without a word.'
+
+
+class Note(BaseModel):
+    kind: Literal[LONG_CONST]
+    mark: Literal[SHORT_CONST]
+    n: int = Field(ge=0, le=99)
+
+
+class Notes(BaseModel):
+    notes: list[Note]
+    tag: Optional[Literal[LONG_CONST, "other"]] = None
+
+
+def compact(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("style, dump", [
+    ("compact", compact), ("pretty", lambda v: json.dumps(v, ensure_ascii=False, indent=2)),
+    ("flexible", lambda v: json.dumps(v, ensure_ascii=False)),
+])
+def test_constants_with_quotes_and_newlines_of_any_length_are_generated(tiny, style, dump):
+    note = {"kind": LONG_CONST, "mark": SHORT_CONST, "n": 3}
+    cases = [({"const": SHORT_CONST}, SHORT_CONST), ({"const": LONG_CONST}, LONG_CONST),
+             ({"enum": [LONG_CONST, "x"]}, LONG_CONST), (Note, note),
+             (Notes, {"notes": [note, note], "tag": LONG_CONST}), (Notes, {"notes": []})]
+    for schema, value in cases:
+        c = compiled.json_schema(tiny, schema, whitespace=style)
+        assert accepts(c, dump(value)), (schema, style)
+        assert c.validate(dump(value)) is None
+        if "word" in dump(value):
+            assert not accepts(c, dump(value).replace("word", "wood"))
+    # ss.choice compiles options as a regex (outlines_core): it never had the problem
+    assert accepts(compiled.choice(tiny, Literal[LONG_CONST, SHORT_CONST]), LONG_CONST)
+
+
+@pytest.mark.real
+def test_long_constants_are_generated_by_a_real_model(real):
+    s = ss.json(real, Note)("A note as JSON: ", max_tokens=80)
+    assert s.finish_reason == "constraint_complete"
+    assert s.value.kind == LONG_CONST and s.value.mark == SHORT_CONST
+    s = ss.json(real, {"const": LONG_CONST})("Say it: ", max_tokens=40)
+    assert s.finish_reason == "constraint_complete" and s.value == LONG_CONST
+
+
+@pytest.mark.skipif(LLGUIDANCE_QUOTES_LONG_CONSTANTS, reason="this llguidance quotes them itself")
+def test_a_long_constant_that_cannot_be_worked_around_is_refused(tiny):
+    schema = {"type": "array", "items": {"const": LONG_CONST}, "minItems": 2}
+    with pytest.raises(ss.ConstraintError, match=r"at # leads to a string constant.*>= 1\.7\.2"):
+        ss.json(tiny, schema)
 
 
 def test_issue_examples_generate_valid_values(tiny):
@@ -265,7 +321,11 @@ def test_unsupported_schemas_name_the_keyword_and_pointer(tiny):
     cases = [
         ({"type": "object", "patternProperties": {"^a": {}, "^ab": {}}},
          r"`patternProperties` at #/patternProperties"),
-        ({"properties": {"x": {"$ref": "https://example.com/x.json"}}}, r"example\.com"),
+        ({"properties": {"x": {"$ref": "https://example.com/x.json"}}},
+         r"`\$ref` at #/properties/x: remote references \('https://example\.com/x\.json'\)"),
+        ({"$ref": "other.json#/a"}, r"`\$ref` at #: remote references"),
+        ({"properties": {"x": {"$ref": "#/definitions/missing"}}},
+         r"`\$ref` at #/properties/x: '#/definitions/missing' points to nothing"),
         ({"type": "string", "format": "uri", "pattern": "(a"}, "pattern"),
     ]
     for schema, message in cases:
@@ -280,6 +340,14 @@ def test_unsupported_schemas_name_the_keyword_and_pointer(tiny):
                           ({"key_order": "sorted"}, "key_order must be one of")]:
         with pytest.raises(ss.ConstraintError, match=match):
             compiled.json_schema(tiny, OBJECT, **option)
+
+
+def test_references_inside_the_document_are_not_remote(tiny):
+    bundled = {"$id": "https://example.com/root.json",
+               "properties": {"a": {"$ref": "https://example.com/root.json#/$defs/n"},
+                              "b": {"$ref": "#/$defs/n"}},
+               "$defs": {"n": {"type": "integer"}}, "required": ["a", "b"]}
+    assert accepts(compiled.json_schema(tiny, bundled), '{"a":1,"b":2}')
 
 
 def test_large_schemas_are_not_refused_for_their_size(tiny):

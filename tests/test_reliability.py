@@ -1,10 +1,12 @@
 """Reliability: bounded memory under a soak, threads, faults that lose nothing, bad input."""
 
 import gc
+import pathlib
 import re
 import random
 import resource
 import threading
+import warnings
 
 import pytest
 import torch
@@ -164,6 +166,12 @@ BAD_INPUTS = [
     ("int stop_at", lambda m: ss.text(m)("x", stop_at=5), ss.ArgumentError),
     ("a hook, not a list", lambda m: ss.text(m)("x", hooks=lambda e: None), ss.ArgumentError),
     ("zero step", lambda m: ss.from_tokens(m, [[1, 2]])[..., ::0], ss.SlicingError),
+    ("chat on a non-model", lambda m: ss.chat("not a model"), ss.ArgumentError),
+    ("run_batch inputs not iterable", lambda m: ss.run_batch(lambda x: x, 5), ss.ArgumentError),
+    ("run_batch progress not a bool", lambda m: ss.run_batch(lambda x: x, [1], progress="yes"),
+     ss.ArgumentError),
+    ("run_batch return_exceptions not a bool",
+     lambda m: ss.run_batch(lambda x: x, [1], return_exceptions="no"), ss.ArgumentError),
     ("float bound", lambda m: ss.from_tokens(m, [[1, 2]])[..., :2.0], ss.SlicingError),
 ]
 
@@ -216,6 +224,32 @@ def test_bad_input_is_rejected_before_compute(fresh_tiny, name, call, error):
         call(fresh_tiny)
     assert len(str(info.value)) > 20, "the message must say what to do"
     assert (fresh_tiny.stats - before).forward_calls == 0
+
+
+def test_run_batch_checks_its_arguments_before_consuming_inputs():
+    taken = []
+
+    def inputs():
+        for i in range(3):
+            taken.append(i)
+            yield i
+
+    for bad in ({"concurrency": 0}, {"progress": "yes"}, {"return_exceptions": "no"}):
+        with pytest.raises(ss.ArgumentError):
+            ss.run_batch(lambda x: x, inputs(), **bad)
+    with pytest.raises(ss.ArgumentError, match="program"):
+        ss.run_batch("not callable", inputs())
+    assert taken == []
+
+
+def test_sources_compile_without_warnings():
+    # an invalid escape such as "\w" in a docstring is a SyntaxWarning (an error in Python 3.14)
+    root = pathlib.Path(ss.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compile(path.read_text(), str(path), "exec")
+    assert r"\bdelv\w*" in ss.hooks.ban_phrases.__doc__
 
 
 def test_models_do_not_mix(tiny, fresh_tiny):

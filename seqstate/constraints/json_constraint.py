@@ -16,7 +16,9 @@ import llguidance
 
 from seqstate.constraints.grammar import GrammarConstraint
 from seqstate.constraints.json_formats import format_checker
-from seqstate.constraints.json_schema import KEY_ORDERS, Prepared, find_keyword, prepare, subschemas
+from seqstate.constraints.json_lark import needs_lark, to_lark
+from seqstate.constraints.json_schema import (KEY_ORDERS, Prepared, check_refs, find_keyword,
+                                              prepare, subschemas)
 from seqstate.errors import ConstraintError
 
 __all__ = ["JsonConstraint", "WHITESPACE", "check_options", "validator_for"]
@@ -117,6 +119,9 @@ class JsonConstraint(GrammarConstraint):
                  whitespace: str = "compact", additional_properties: bool = False,
                  key_order: str = "schema") -> None:
         check_options(whitespace, additional_properties, key_order)
+        problem = check_refs(schema)
+        if problem is not None:
+            raise ConstraintError(f"the JSON schema's {problem}")
         self.schema = schema
         prepared = prepare(schema, additional_properties=additional_properties,
                            key_order=key_order)
@@ -133,6 +138,8 @@ class JsonConstraint(GrammarConstraint):
 
     @staticmethod
     def _grammar(prepared: Prepared, options: dict) -> str:
+        if needs_lark(prepared.schema):        # constants this llguidance cannot quote
+            return to_lark(prepared.schema, options)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(prepared.schema, defaults=options)
         except ValueError as exc:

@@ -24,7 +24,8 @@ from urllib.parse import unquote
 
 from seqstate.constraints.json_formats import format_regex
 
-__all__ = ["VALIDATED", "KEY_ORDERS", "Prepared", "prepare", "find_keyword", "subschemas"]
+__all__ = ["VALIDATED", "KEY_ORDERS", "Prepared", "prepare", "find_keyword", "subschemas",
+           "check_refs", "resolve"]
 
 VALIDATED = ("uniqueItems", "dependencies", "dependentRequired", "dependentSchemas", "not",
              "if", "then", "else", "contains", "minContains", "maxContains", "propertyNames",
@@ -94,7 +95,7 @@ def find_keyword(schema: object, keyword: str) -> str | None:
                  if keyword in node), None)
 
 
-def _resolve(root: object, ref: object) -> tuple[str, object] | None:
+def resolve(root: object, ref: object) -> tuple[str, object] | None:
     """``(pointer, node)`` of a ``$ref`` inside this document, or None for any other reference."""
     if not isinstance(ref, str):
         return None
@@ -115,6 +116,29 @@ def _resolve(root: object, ref: object) -> tuple[str, object] | None:
             return None
         pointer += "/" + _escape(part)
     return pointer, node
+
+
+def check_refs(root: object) -> str | None:
+    """Why a ``$ref`` of ``root`` cannot be followed (naming it and its JSON pointer), or None.
+
+    References into this document (JSON pointers, anchors, ``$id``s it declares) are fine;
+    a remote one, or a pointer to nothing, is reported before llguidance sees the schema.
+    """
+    ids = {node[key] for _, node in subschemas(root) for key in ("$id", "id")
+           if isinstance(node.get(key), str)}
+    for ptr, node in subschemas(root):
+        ref = node.get("$ref")
+        if not isinstance(ref, str):
+            continue
+        where, _, fragment = ref.partition("#")
+        if where and not any(i == where or i.rstrip("#").endswith("/" + where) for i in ids):
+            return (f"`$ref` at {ptr}: remote references ({ref!r}) are not supported, seqstate "
+                    "never downloads; copy the referenced schema into this one's `$defs` and "
+                    "refer to it as '#/$defs/<name>'")
+        if not where and fragment.startswith("/") and resolve(root, ref) is None:
+            return (f"`$ref` at {ptr}: {ref!r} points to nothing in this schema; fix the "
+                    "pointer or add the schema it names")
+    return None
 
 
 def _replace(root: object, pointer: str, value: object) -> object:
@@ -156,7 +180,7 @@ def _combined(root: object) -> set[str] | None:
         if inside or _REQUIRING & node.keys():
             combined.add(ptr)
         if "$ref" in node:
-            target = _resolve(root, node["$ref"])
+            target = resolve(root, node["$ref"])
             if target is None:
                 return None
             stack.append((*target, inside or bool((node.keys() - {"$ref"}) & _OBJECT_KEYS)))
@@ -210,7 +234,7 @@ class _Rewriter:
         while self.pending:
             ptr = self.pending.pop()
             if ptr not in self.seen:
-                out = _replace(out, ptr, self.node(_resolve(self.root, ptr)[1], ptr))
+                out = _replace(out, ptr, self.node(resolve(self.root, ptr)[1], ptr))
         if self.extra and isinstance(out, dict):
             out = {**out, "definitions": {**out.get("definitions", {}), **self.extra}}
         return out
@@ -279,13 +303,13 @@ class _Rewriter:
         ``{"type": "object", "$ref": ...}`` is common: the ``type`` is dropped when the target
         implies it, or moved into a typed copy of a target that has no ``type``.
         """
-        target = _resolve(self.root, out["$ref"])
+        target = resolve(self.root, out["$ref"])
         if target is None:
             return
         self.pending.append(target[0])
         for _ in range(8):                                # a chain of plain references
             if isinstance(target[1], dict) and set(target[1]) == {"$ref"}:
-                target = _resolve(self.root, target[1]["$ref"]) or target
+                target = resolve(self.root, target[1]["$ref"]) or target
         ptr, node = target
         if "type" not in out or not isinstance(node, dict):
             return
