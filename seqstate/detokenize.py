@@ -122,8 +122,12 @@ class TokenVocabulary:
     @cached_property
     def token_bytes(self) -> list[bytes]:
         """``token_bytes[i]`` is the exact byte string token ``i`` stands for."""
-        pieces = self.tokenizer.convert_ids_to_tokens(list(range(self.size)))
-        pieces = ["" if p is None else p for p in pieces]
+        # the id -> piece table, inverted from the backend's piece -> id dict at once (a
+        # per-id lookup costs a Python call per token: 0.45 s on a 262k vocabulary)
+        pieces = [""] * self.size
+        for piece, i in self.tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True).items():
+            if i < self.size:
+                pieces[i] = piece
         if self.byte_level:
             out = _byte_level_bytes(pieces)
         else:
