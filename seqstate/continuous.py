@@ -87,7 +87,7 @@ class Generator:
 
     def _prompt_row(self, text: str) -> Row:
         """A prompt's row; the empty prompt is the model's start token."""
-        ids = tuple(self.model.encode(text)) or tuple(self.model.start_token_ids)
+        ids = tuple(self.model.encode_prompt(text))
         return Row(ids, None, (None,) * len(ids), (None,) * len(ids))
 
     @staticmethod
