@@ -1,5 +1,6 @@
 """The llama.cpp backend driven directly: KV sharing through llama.cpp sequences, exactness
-against a fresh llama.cpp evaluation, eviction, and greedy parity with llama-cpp-python."""
+against a fresh llama.cpp evaluation (bit for bit, whatever else is batched or cached),
+eviction and compaction, errors before compute, and greedy parity with llama-cpp-python."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ pytest.importorskip("llama_cpp")
 import torch
 
 from seqstate.backends.base import Backend, Batch, Handle
-from seqstate.backends.llamacpp import NOISE_FLOOR, LlamaCppBackend
-from seqstate.errors import ContextOverflowError
+import seqstate as ss
+from seqstate.backends.llamacpp import LlamaCppBackend
+from seqstate.engine import next_logits
+from seqstate.errors import ArgumentError, ContextOverflowError, ModelNotAvailable
 
 pytestmark = pytest.mark.llamacpp
 
-# A row whose KV cells lie in position order (always so until cells are freed and reused) is
-# bit-identical to a fresh evaluation: see the module docstring of seqstate.backends.llamacpp.
+# Every row is bit-identical to a fresh evaluation (max abs difference 0.0), whatever else is
+# batched or cached: see the module docstring of seqstate.backends.llamacpp.backend.
 EXACT = 1e-4
 # One thread: llama.cpp's threads spin at barriers, which stalls badly when the machine is busy
 # with other work; results do not depend on the thread count (per-row kernels).
@@ -213,7 +216,7 @@ def test_fork_release_and_committed_slots(backend, tok):
 
 
 def test_eviction_keeps_pinned_handles(tok):
-    backend = _backend(n_ctx=256, n_seq_max=6)                     # 5 sequences for the store
+    backend = _backend(n_ctx=256, n_seq_max=7)                     # 5 sequences for the store
     colours = ["red", "blue", "green", "grey", "pink", "gold", "teal", "tan"]
     texts = [f"Item {i}: the {w} fox jumped over {i} lazy dogs in the yard, then it ran back "
              f"home through the {w} forest to sleep under an old oak tree." for i, w in enumerate(colours)]
@@ -236,22 +239,21 @@ def test_eviction_keeps_pinned_handles(tok):
         [slot] = batch.add([ids + [ids[0]]], extra=1)
         logits = batch.forward([slot], [ids[0]])
         fresh = backend.fresh_logits(ids + [ids[0]])
-        # evictions leave holes: a row whose later cells land below earlier ones is summed in
-        # another order and rounds differently (see the module doc), within the noise floor
-        assert _maxdiff(logits[0], fresh[-1]) < NOISE_FLOOR
+        # evicted and released cells never take new tokens below live ones: still exact
+        assert _maxdiff(logits[0], fresh[-1]) < EXACT
         batch.release(slot)
     batch.close()
     backend.verify()
 
 
 def test_overflow_is_a_clear_error(tok):
-    backend = _backend(n_ctx=256, n_seq_max=5)                     # 4 sequences for the store
+    backend = _backend(n_ctx=256, n_seq_max=6)                     # 4 sequences for the store
     assert backend.n_ctx == 256
     ids = tok.encode(STORY)
     batch = backend.batch()
     with pytest.raises(ContextOverflowError, match="n_ctx=256"):   # refused before compute
         batch.add([ids * 20], extra=1)
-    with pytest.raises(ContextOverflowError, match="n_seq_max=5"):
+    with pytest.raises(ContextOverflowError, match="n_seq_max=6"):
         batch.add([ids[:k] for k in range(5, 12)], extra=1)
     assert backend.counters["forward_calls"] == 0
     held = []
@@ -300,10 +302,9 @@ def test_greedy_matches_llama_cpp_python(backend, tok):
     prompts = ["Once upon a time", "def add(a, b):",
                "<|im_start|>user\nName three fruits.<|im_end|>\n<|im_start|>assistant\n",
                "The history of the Roman Empire spans many centuries. " * 8]   # 80+ tokens
-    # the backend's KV types (f16 K, q8_0 V) with flash attention: the same kernels run
-    llm = llama_cpp.Llama(model_path=str(_gguf()), n_ctx=512, flash_attn=True,
-                          type_v=llama_cpp.GGML_TYPE_Q8_0, n_threads=THREADS,
-                          n_threads_batch=THREADS, verbose=False)
+    # the backend's attention and KV types: the same kernels run
+    llm = llama_cpp.Llama(model_path=str(_gguf()), n_ctx=512, n_threads=THREADS,
+                          n_threads_batch=THREADS, verbose=False, **backend.reference_options)
     batch = backend.batch()
     for text in prompts:
         ids = tok.encode(text)
@@ -317,3 +318,182 @@ def test_greedy_matches_llama_cpp_python(backend, tok):
         batch.release(slot)
     batch.close()
     backend.verify()
+
+
+# -- a row's logits do not depend on what else runs ---------------------------------------------
+
+EVEN = [f"Q: Is {i} an even number? Think briefly.\nA:" for i in range(20, 25)]
+
+
+def test_freed_cells_never_take_tokens_below_live_ones(tok):
+    """Released rows, rollbacks and evictions free cells below live rows' cells; llama.cpp
+    fills the lowest free cells first, which would put a row's next token out of position
+    order (measured 0.56 max abs logit off).  They stay garbage until a compaction instead:
+    every logit stays bit-identical to a fresh evaluation, through compactions too."""
+    backend = _backend(n_ctx=256, n_seq_max=12)
+    rows = [tok.encode(p) for p in EVEN]
+    batch = backend.batch()
+    slots = batch.add(rows, extra=16)
+    last = [r[-1] for r in rows]
+    step = compactions = 0
+    while backend._llama.compactions < 2:
+        logits = batch.forward(slots, last)
+        if step % 4 == 0 or backend._llama.compactions > compactions:
+            compactions = backend._llama.compactions
+            for j, row in enumerate(rows):
+                assert _maxdiff(logits[j], backend.fresh_logits(row)[-1]) < EXACT, (step, j)
+        last = logits.argmax(-1).tolist()
+        for row, t in zip(rows, last):
+            row.append(t)
+        step += 1
+        if step % 2 == 0:                          # a rollback frees the row's top cells
+            batch.truncate(slots[1], batch.length(slots[1]) - 2)
+            del rows[1][-2:]
+            last[1] = rows[1][-1]
+        if step % 3 == 0:                          # a row leaves; a new one forks from row 0
+            batch.release(slots[3])
+            slots[3] = batch.fork(slots[0])
+            rows[3] = list(rows[0])
+            last[3] = last[0]
+        backend.verify()                           # also: every sequence's cells in order
+        assert step < 100
+    batch.close()
+    backend.verify()
+
+
+@pytest.fixture(scope="module")
+def even_model():
+    return ss.models.default(engine="llama.cpp", n_ctx=4096, n_threads=THREADS)
+
+
+def test_prompts_batched_equal_each_alone(even_model):
+    """Issue 23: prompt 24 gave ' 24 is not an even number' alone and ' 24 is indeed an even
+    number' batched with the other four (freed cells reused out of order)."""
+    m = even_model
+    text = ss.text(m)
+    together = text(EVEN, max_tokens=12)
+    alone = [text(p, max_tokens=12) for p in EVEN]
+    assert together.token_ids == [a.token_ids[0] for a in alone]
+    # first-token logits: all five rows in one decode against each row alone and fresh
+    rows = [m.encode_prompt(p) for p in EVEN]
+    batched = next_logits(m, rows)
+    for j, row in enumerate(rows):
+        assert _maxdiff(batched[j], next_logits(m, [row])[0]) == 0.0
+        assert _maxdiff(batched[j], m.backend.fresh_logits(row)[-1]) == 0.0
+    m.store.verify()
+
+
+def test_run_batch_equals_each_alone(even_model):
+    text = ss.text(even_model)
+
+    def program(prompt):
+        s = text(prompt, max_tokens=8)
+        return text(s + " So the answer is", max_tokens=4).token_ids[0][0]
+
+    alone = [program(p) for p in EVEN]
+    for _ in range(2):                            # scheduling varies run to run
+        assert ss.run_batch(program, EVEN, concurrency=5, progress=False) == alone
+    even_model.backend.verify()
+
+
+# -- failures --------------------------------------------------------------------------------------
+
+def test_a_failed_call_releases_its_kv_without_gc(tok):
+    """A prefix prefilled for rows whose tails then do not fit was pinned by the failed call's
+    frames (kept alive by its error) until the garbage collector ran, so the next call that
+    fits failed too."""
+    m = ss.models.default(engine="llama.cpp", n_ctx=512, n_seq_max=16, n_threads=THREADS)
+    text = ss.text(m)
+    ours = text(ss.from_tokens(m, [tok.encode("The weather today is sunny. " * 60)[:300]]),
+                max_tokens=1)
+    held = m.stats.kv_bytes_held
+    shared = "A long shared preamble about nothing in particular, repeated. " * 8
+    prompts = [shared + f" Question {i}: " + "tell me a story about dragons and castles " * 9
+               for i in range(2)]
+    gc.disable()
+    try:
+        before = m.stats
+        with pytest.raises(ContextOverflowError, match="n_ctx=512") as failed:
+            text(prompts, max_tokens=2)
+        assert (m.stats - before).prefill_tokens > 0             # the shared prefix ran
+        assert m.stats.kv_bytes_held == held                      # and nothing stays pinned
+        m.store.verify()
+        m.backend.verify()
+        del ours
+        assert m.stats.kv_bytes_held == 0
+        assert text("Hello " * 400, max_tokens=20).shape == (1, 1)  # needs the freed cells
+        assert failed.value is not None                           # the error is still alive
+    finally:
+        gc.enable()
+    m.backend.verify()
+
+
+def test_rows_beyond_n_seq_max_are_refused_before_compute():
+    m = ss.models.default(engine="llama.cpp", n_ctx=1024, n_seq_max=8, n_threads=THREADS)
+    text = ss.text(m)
+    before = m.stats
+    with pytest.raises(ContextOverflowError, match="n_seq_max=8") as samples:
+        text("Once upon a time", max_tokens=8, num_samples=20, sampler=ss.multinomial(), seed=0)
+    assert "n_seq_max=23 or more" in str(samples.value)      # 20 rows + their prompt + 2 kept
+    with pytest.raises(ContextOverflowError, match="n_seq_max=8"):
+        text([f"Prompt {i} is here" for i in range(7)], max_tokens=4)
+    assert m.stats == before
+    assert m.backend.capabilities.max_rows == 8 - 3
+
+
+@pytest.mark.xfail(strict=True, reason="the beam width is known only to the generator layer, "
+                   "which does not yet check Capabilities.max_rows before compute")
+def test_a_beam_wider_than_n_seq_max_is_refused_before_compute():
+    m = ss.models.default(engine="llama.cpp", n_ctx=1024, n_seq_max=8, n_threads=THREADS)
+    before = m.stats
+    with pytest.raises(ContextOverflowError, match="n_seq_max"):
+        ss.text(m)("Once upon a time", max_tokens=8, sampler=ss.beam_search(20))
+    assert m.stats == before
+
+
+# -- typed errors before anything is loaded -------------------------------------------------------
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Fail the test if llama.cpp is reached, or the GGUF tokenizer reader from the loader
+    (``default()`` reads its tokenizer, from a cache, before it calls the loader)."""
+    from seqstate.backends.llamacpp import backend as engine
+    from seqstate.models import loading
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("loaded before the arguments were checked")
+
+    monkeypatch.setattr(engine, "Llama", refuse)
+    return lambda: monkeypatch.setattr(loading, "gguf_tokenizer", refuse)
+
+
+@pytest.mark.parametrize("options, word", [
+    (dict(n_seq_max=3), "n_seq_max"), (dict(n_seq_max=257), "n_seq_max"),
+    (dict(n_seq_max=8.0), "n_seq_max"), (dict(n_seq_max="8"), "n_seq_max"),
+    (dict(n_ctx=0), "n_ctx"), (dict(n_ctx=512.5), "n_ctx"), (dict(n_ctx=True), "n_ctx"),
+    (dict(n_threads=0), "n_threads"), (dict(bogus=1), "bogus"),
+])
+def test_bad_loader_options_are_typed_errors(nothing_loads, options, word):
+    with pytest.raises(ArgumentError, match=word):
+        ss.models.default(engine="llama.cpp", **options)
+    if "bogus" not in options:
+        with pytest.raises(ArgumentError, match=word):
+            LlamaCppBackend(_gguf(), **options)
+    nothing_loads()
+    with pytest.raises(ArgumentError, match=word) as err:
+        ss.models.llamacpp(_gguf(), **options)
+    assert isinstance(err.value, ss.SeqStateError)
+
+
+def test_a_file_that_is_not_gguf_is_refused_before_llama_cpp_reads_it(nothing_loads, tmp_path):
+    nothing_loads()
+    for name, content in [("model.safetensors", b"\x08\x00\x00\x00{}"), ("empty.gguf", b""),
+                          ("notes.gguf", b"hello, not a model")]:
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(ModelNotAvailable, match="not a GGUF file"):
+            ss.models.llamacpp(path)
+        with pytest.raises(ModelNotAvailable, match="not a GGUF file"):
+            LlamaCppBackend(path)
+    with pytest.raises(ModelNotAvailable, match="no GGUF file"):
+        ss.models.llamacpp(tmp_path / "missing.gguf")

@@ -9,11 +9,29 @@ from typing import Any
 from seqstate.errors import ModelNotAvailable
 from seqstate.models.base import BaseModel
 
-__all__ = ["LlamaCppModel", "INSTALL_HINT"]
+__all__ = ["LlamaCppModel", "INSTALL_HINT", "check_arguments", "backend_package"]
 
 INSTALL_HINT = ("the llama.cpp engine needs llama-cpp-python, which compiles from source: "
                 "`pip install llama-cpp-python` (cmake and a C++ compiler), or `make test`, "
                 "which installs it")
+
+
+def backend_package() -> Any:
+    """The llama.cpp backend package; `ModelNotAvailable` where llama-cpp-python is missing."""
+    try:
+        from seqstate.backends import llamacpp
+    except ImportError as exc:
+        raise ModelNotAvailable(INSTALL_HINT) from exc
+    return llamacpp
+
+
+def check_arguments(path: str | os.PathLike, *, n_ctx: Any, n_threads: Any,
+                    n_seq_max: Any) -> None:
+    """Refuse, before anything is loaded, options llama.cpp would reject or misread and a
+    file that is not GGUF (`ArgumentError`, `ModelNotAvailable`)."""
+    backend = backend_package()
+    backend.check_options(n_ctx=n_ctx, n_threads=n_threads, n_seq_max=n_seq_max)
+    backend.check_gguf(path)
 
 
 class LlamaCppModel(BaseModel):
@@ -34,18 +52,18 @@ class LlamaCppModel(BaseModel):
     n_threads : int or None
         CPU threads (default: every core this process may use).
     n_seq_max : int, default 64
-        llama.cpp sequences (at most 256): stored branch tips plus working rows.
+        llama.cpp sequences, 4 to 256: stored branch tips plus working rows plus the two
+        seqstate keeps, so at most ``n_seq_max - 3`` rows run at once.
     """
 
     def __init__(self, path: str | os.PathLike, hf_tokenizer: Any, *, n_ctx: int = 4096,
                  n_threads: int | None = None, n_seq_max: int = 64, name: str | None = None) -> None:
-        try:
-            from seqstate.backends.llamacpp import LlamaCppBackend
-        except ImportError as exc:
-            raise ModelNotAvailable(INSTALL_HINT) from exc
+        backend = backend_package()               # ModelNotAvailable before anything else
         super().__init__(hf_tokenizer, name or Path(path).name)
         self.path = Path(path)
-        self.backend = LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads, n_seq_max=n_seq_max)
+        # the backend checks its options and the file before llama.cpp loads anything
+        self.backend = backend.LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads,
+                                                n_seq_max=n_seq_max)
         if self.backend.vocab_size < self.vocab.size:
             raise ModelNotAvailable(
                 f"the tokenizer has {self.vocab.size} tokens but {self.path.name} only "

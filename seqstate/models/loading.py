@@ -215,13 +215,15 @@ def default(*, engine: str = "hf", dtype: torch.dtype = torch.float32,
 
 def llamacpp(path: str | os.PathLike, *, tokenizer: Any = None, n_ctx: int = 4096,
              n_threads: int | None = None, n_seq_max: int = 64,
-             name: str | None = None) -> BaseModel:
+             name: str | None = None, **unknown: Any) -> BaseModel:
     """A GGUF file on the llama.cpp engine; states, generators and features as on ``hf``.
 
     ``tokenizer`` is a ``transformers`` tokenizer for the same vocabulary; by default it is
     read from the GGUF file itself.  ``n_ctx`` is the number of KV cells shared by every
-    stored state and working row; ``n_seq_max`` (at most 256) the llama.cpp sequences, which
-    bounds the rows of one call.  Nothing is downloaded.
+    stored state and working row; ``n_seq_max`` (4 to 256) the llama.cpp sequences, which
+    bounds the rows of one call to ``n_seq_max - 3``.  Nothing is downloaded.  Unknown
+    keywords, bad values and a file that is not GGUF are refused before anything is loaded
+    (`ArgumentError`, `ModelNotAvailable`).
 
     Examples
     --------
@@ -230,15 +232,17 @@ def llamacpp(path: str | os.PathLike, *, tokenizer: Any = None, n_ctx: int = 409
     >>> ss.text(fast)("Hello", max_tokens=4).shape                       # doctest: +SKIP
     (1, 1)
     """
-    from seqstate.models.llamacpp_model import LlamaCppModel
+    from seqstate.models.llamacpp_model import LlamaCppModel, check_arguments
 
+    if unknown:
+        raise ArgumentError(f"unknown llama.cpp engine options {sorted(unknown)}; the options "
+                            f"are tokenizer, n_ctx, n_threads, n_seq_max and name")
     path = Path(path)
     if not path.is_file():
         raise ModelNotAvailable(f"no GGUF file at {path}; seqstate never downloads: pass the "
                                 "path of a local .gguf file")
+    check_arguments(path, n_ctx=n_ctx, n_threads=n_threads, n_seq_max=n_seq_max)
     if tokenizer is None:
-        from transformers import AutoTokenizer
-
         tokenizer = gguf_tokenizer(path)
     return LlamaCppModel(path, tokenizer, n_ctx=n_ctx, n_threads=n_threads,
                          n_seq_max=n_seq_max, name=name)

@@ -8,36 +8,48 @@ Stored paths live in `SeqStore`, a radix tree whose
 branch tips are carried by llama.cpp sequences; working rows (`LlamaCppBatch` slots) are
 further sequences forked from them.  Every fed row of a step runs in one ``llama_decode``.
 
-Exactness (SmolLM2-135M-Instruct Q4_1, x86 CPU, llama-cpp-python 0.3.36)
-    llama.cpp's CPU flash attention has three kernels: per query row, tiled (64+ query rows)
-    and split-KV (one query over 512+ cells).  They round differently, and the model's 8-bit
-    activation quantization turns any rounding difference into logit differences of ~0.5-1.5,
-    so with llama.cpp's defaults a row's logits depend on what else is in its batch (measured:
-    up to 1.44 max abs logit difference between the same tokens decoded one by one and all at
-    once).  Keys in f16 and values in q8_0 make the per-row kernel the only one that applies,
-    and the matmuls are batch-invariant, so a row's logits do not depend on its batch:
+Exactness and batch independence (SmolLM2-135M Q4_1, x86 CPU, llama-cpp-python 0.3.36)
+    A row's logits are bit-identical (max abs difference 0.0) to `LlamaCppBackend.fresh_logits()`
+    of the same tokens, whatever else is in its batch, whatever ran before, and however its KV
+    was made: prefilled alone or packed with other rows, forked, sliced back, extended, truncated
+    and re-fed, evicted and recomputed; `score()`'s log-probs too.  So a call's result does not
+    depend on what else runs.  Two things make that so:
 
-    - forked, sliced, extended, truncated-and-refed and batched rows are bit-identical to
-      `LlamaCppBackend.fresh_logits()` (max abs difference 0.0), as are `score()`'s
-      log-probs, as long as every token's KV was computed with its row's cells in position
-      order, which holds until freed cells (released rows, rollbacks, evictions) are reused;
-    - a row whose later tokens land in lower cells than earlier ones is summed in another order:
-      up to ``NOISE_FLOOR`` max abs logit difference (measured: max 1.28, p99 0.95, median 0.0
-      over ~4,700 randomized fork/slice/rollback/evict comparisons in a 512-cell cache);
-    - greedy decoding matches ``llama_cpp.Llama(flash_attn=True, type_v=GGML_TYPE_Q8_0)``'s
-      own ``generate`` token for token (40 tokens on every prompt tried, short and 80+ tokens).
+    - the kernels.  The matmuls are batch-invariant (each output is one dot product, the same
+      for a row alone or among others).  Flash attention runs its per-row kernel, which sums a
+      query's cells one by one in cell order; llama.cpp's tiled kernel (64+ queries in a
+      ubatch) and split-KV kernel (one query over 512+ cells) group cells by absolute cell
+      index and round differently, so a row's result would depend on where its cells lie, which
+      depends on what else is cached.  The KV types (``native.KV_TYPES``: K f16, V q8_0) keep
+      the per-row kernel for every batch; without flash attention the softmax and V sums also
+      depend on cell placement.  Measured with the shipped model, five prompts prefilled in one
+      ubatch against each alone: per-row kernel 0.0, tiled (K and V f16) up to 0.89, no flash
+      attention up to 0.52 max abs logit difference;
+    - the cell layout.  Summing in cell order equals a fresh evaluation only while each row's
+      cells lie in position order.  llama.cpp reuses the lowest free cells, so a freed cell
+      below a row's cells (a released row, a rollback, an eviction) would take its next token
+      out of order (measured: up to 0.56 max abs logit difference, enough to flip greedy at a
+      near-tie).  Freed cells are therefore kept as garbage until the cache is full, then
+      `native.Llama.compact()` packs the live cells down in their order (~16 ms per 1,000
+      cells here); new tokens always land above every live cell.  `verify()` checks the order.
 
-    Against the fp32 Hugging Face model the Q4_1 weights differ by ~1-2 max abs logit (mean
-    KL ~0.002) whatever the KV types, so ``capabilities.exact`` is False.
+    Not covered: a model with sliding-window layers (Gemma 3) lets llama.cpp reuse, in those
+    layers' cache, cells that fell out of the window, so rows longer than the window may sum
+    out of order there (not measured).  Greedy decoding matches ``llama_cpp.Llama(**backend.
+    reference_options)``'s own ``generate`` token for token.  Against the fp32 Hugging Face
+    model the Q4_1 weights differ by ~1-2 max abs logit (mean KL ~0.002) whatever the KV
+    types, so ``capabilities.exact`` is False.
 """
 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+import traceback
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import llama_cpp as ll
@@ -46,14 +58,39 @@ import torch
 from seqstate.backends.base import CacheFullError, Capabilities
 from seqstate.backends.llamacpp.store import SeqHandle, SeqStore
 from seqstate.backends.prefixes import common_prefix, ensure_stored
-from seqstate.errors import ContextOverflowError
+from seqstate.errors import ArgumentError, ContextOverflowError
 from seqstate.backends.llamacpp.batch import LlamaCppBatch
-from seqstate.backends.llamacpp.native import Llama, usable_cores
+from seqstate.backends.llamacpp.native import (GARBAGE_SEQ, RESERVED_SEQS, SCRATCH_SEQ, Llama,
+                                               check_gguf, usable_cores)
 
-__all__ = ["NOISE_FLOOR", "LlamaCppBackend"]
+__all__ = ["LlamaCppBackend", "check_options", "MAX_SEQS", "MIN_SEQS", "NOISE_FLOOR"]
 
-NOISE_FLOOR = 2.0             # bound on max abs logit diff from cells out of position order
-_SCRATCH_SEQ = 0              # fresh_logits' own sequence, never lent to the store
+# Max abs logit difference against a fresh evaluation that tests allow: every path measured
+# 0.0 (see above); positive so that comparisons can be strict.
+NOISE_FLOOR = 1e-4
+
+MAX_SEQS = 256                # llama.cpp's LLAMA_MAX_SEQ
+MIN_SEQS = RESERVED_SEQS + 2  # the reserved ones, a stored path and a working row
+
+
+def check_options(*, n_ctx: object, n_threads: object = None, n_seq_max: object = 64,
+                  n_batch: object = 512) -> None:
+    """Refuse bad engine options with `ArgumentError`, before anything is loaded."""
+    _check_int("n_ctx", n_ctx, 1, hint="KV cells shared by every stored state and working row")
+    if n_threads is not None:
+        _check_int("n_threads", n_threads, 1, hint="CPU threads, or None for every usable core")
+    _check_int("n_seq_max", n_seq_max, MIN_SEQS, MAX_SEQS,
+               hint=f"llama.cpp sequences: {RESERVED_SEQS} kept by seqstate, then one per stored "
+                    f"branch tip and one per working row; {MAX_SEQS} is llama.cpp's limit")
+    _check_int("n_batch", n_batch, 1, hint="the most tokens one llama_decode takes")
+
+
+def _check_int(name: str, value: object, lo: int, hi: int | None = None, *, hint: str) -> None:
+    if isinstance(value, int) and not isinstance(value, bool) \
+            and lo <= value and (hi is None or value <= hi):
+        return
+    bounds = f"an int in {lo}..{hi}" if hi is not None else f"an int >= {lo}"
+    raise ArgumentError(f"{name} must be {bounds} ({hint}), got {value!r}")
 
 
 def _trie_size(paths: Sequence[tuple[int, ...]]) -> tuple[int, int]:
@@ -93,8 +130,9 @@ class LlamaCppBackend:
     n_threads : int or None
         CPU threads (default: the cores this process may use).
     n_seq_max : int, default 64
-        llama.cpp sequences (at most 256): one is kept for `fresh_logits()`, the others
-        carry stored paths (one per branch tip) and working rows (one per row).
+        llama.cpp sequences, 4 to 256: two are kept (for `fresh_logits()` and for freed cells
+        awaiting compaction), the others carry stored paths (one per branch tip) and working
+        rows (one per row), so at most ``n_seq_max - 3`` rows run at once.
     n_batch : int, default 512
         Most tokens one ``llama_decode`` takes; longer prefills run in several.
 
@@ -115,8 +153,8 @@ class LlamaCppBackend:
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, n_threads: int | None = None,
                  n_seq_max: int = 64, n_batch: int = 512) -> None:
-        if not 3 <= n_seq_max <= 256:
-            raise ValueError(f"n_seq_max must be in 3..256 (llama.cpp's limit), got {n_seq_max}")
+        check_options(n_ctx=n_ctx, n_threads=n_threads, n_seq_max=n_seq_max, n_batch=n_batch)
+        check_gguf(path)
         threads = n_threads or usable_cores()
         self.n_threads = threads
         self._llama = Llama(str(Path(path)), n_ctx, threads, n_seq_max, n_batch)
@@ -126,16 +164,32 @@ class LlamaCppBackend:
         self.context_length = ll.llama_model_n_ctx_train(self._llama.model)
         self.bytes_per_cell = self._llama.bytes_per_cell()
         hint = (f"create the backend with a larger n_ctx (now {self.n_ctx}) or n_seq_max "
-                f"(now {n_seq_max}, at most 256)")
-        self.store = SeqStore(self._llama, range(_SCRATCH_SEQ + 1, n_seq_max), hint)
+                f"(now {n_seq_max}, at most {MAX_SEQS})")
+        self.store = SeqStore(self._llama, range(RESERVED_SEQS, n_seq_max), hint)
         self.capabilities = Capabilities(name="llama.cpp", full_logits=True, prefix_sharing=True,
-                                         batching=True, exact=False, max_rows=n_seq_max - 2,
+                                         batching=True, exact=False,
+                                         max_rows=n_seq_max - RESERVED_SEQS - 1,
                                          own_threads=True)
         self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens_reused": 0,
                          "forward_calls": 0, "draft_tokens_accepted": 0,
                          "draft_tokens_rejected": 0}
         self.lock = threading.RLock()
         self._batches: weakref.WeakSet[LlamaCppBatch] = weakref.WeakSet()
+
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[None]:
+        """The engine's lock, held for one operation; on an error, the finished frames under
+        it are cleared before the error leaves the engine.  Those frames hold handles (a
+        prefix prefilled for rows whose tails then did not fit), and an error keeps its
+        frames alive for as long as anyone keeps the error, which the scheduler and a
+        caller's traceback do: a failed call must not keep KV pinned, or the next call that
+        fits fails too."""
+        with self.lock:
+            try:
+                yield
+            except BaseException as exc:
+                traceback.clear_frames(exc.__traceback__)      # executing frames are skipped
+                raise
 
     def count(self, **deltas: int) -> None:
         """Add to the work counters (the model's ``stats``)."""
@@ -168,14 +222,26 @@ class LlamaCppBackend:
                 return
             if status != 1:
                 raise RuntimeError(f"llama_decode failed with status {status}")
-            # no free cells: llama.cpp left the cache as it was, so drop a stored path and retry
-            if not self.store.evict_one():
+            # no free cells (llama.cpp left the cache as it was): free the garbage first, then
+            # evict unpinned stored paths (their cells become garbage) and try again
+            if self._llama.compact():
+                continue
+            if not self._evict(len(tokens)):
                 raise CacheFullError(
                     f"the llama.cpp KV cache (n_ctx={self.n_ctx} cells) is full: "
                     f"{self.store.held_cells} cells are pinned by live states and the rest by "
                     f"working rows, so {len(tokens)} more tokens do not fit; drop states you no "
                     f"longer need, run fewer rows at once, or create the backend with a larger "
                     f"n_ctx")
+
+    def _evict(self, cells: int) -> bool:
+        """Evict least recently used stored paths until about ``cells`` stored cells are gone
+        (one compaction then frees them all); False when nothing could be evicted."""
+        target = self.store.cells - cells
+        evicted = False
+        while self.store.cells > target and self.store.evict_one():
+            evicted = True
+        return evicted
 
     # -- prefill ------------------------------------------------------------------------------
     def _run_tails(self, todo: list[tuple[tuple[int, ...], SeqHandle]]) -> list[SeqHandle]:
@@ -234,13 +300,17 @@ class LlamaCppBackend:
             raise ContextOverflowError(
                 f"this call needs up to {max(longest, cells)} KV cells (rows of up to {longest} "
                 f"tokens, {len(targets)} rows growing by {extra}) but the llama.cpp context has "
-                f"n_ctx={self.n_ctx}; create the backend with a larger n_ctx or run fewer rows")
+                f"n_ctx={self.n_ctx}; load the model with a larger n_ctx or run fewer rows")
         if seqs > usable:
+            need = seqs + RESERVED_SEQS
+            bigger = (f"load the model with n_seq_max={need} or more" if need <= MAX_SEQS
+                      else f"n_seq_max is at most {MAX_SEQS}")
             raise ContextOverflowError(
-                f"this call needs {seqs} llama.cpp sequences ({len(targets)} rows + {carriers} "
-                f"distinct prefixes) but n_seq_max={self.n_seq_max} leaves {usable}; run at most "
-                f"{self.capabilities.max_rows} rows sharing a prefix, fewer distinct prompts at "
-                f"once, or create the backend with a larger n_seq_max (at most 256)")
+                f"this call needs {seqs} llama.cpp sequences ({len(targets)} rows, each its "
+                f"own, + {carriers} for the distinct prompts they continue) but "
+                f"n_seq_max={self.n_seq_max} leaves {usable} ({RESERVED_SEQS} are kept by "
+                f"seqstate); run at most {self.capabilities.max_rows} rows of one prompt "
+                f"(samples, batch items) or fewer distinct prompts per call, or {bigger}")
 
     # -- the Backend protocol -----------------------------------------------------------------
     def batch(self) -> LlamaCppBatch:
@@ -255,7 +325,7 @@ class LlamaCppBackend:
         continuations only; ``result[p][c] = (log-probs, handle on prefix + c[:-1])``."""
         if any(len(c) == 0 for c in continuations):
             raise ValueError("every continuation needs at least one token")
-        with self.lock:
+        with self.guarded():
             longest = max((len(c) for c in continuations), default=0)
             bases = self._ensure_kv(prefixes, longest)
             rows = [(tuple(p) + tuple(c[:-1]), h, c) for p, h in zip(prefixes, bases)
@@ -286,16 +356,22 @@ class LlamaCppBackend:
         if not 0 < len(tokens) <= self.n_ctx:
             raise ContextOverflowError(f"fresh_logits takes 1..n_ctx={self.n_ctx} tokens, got "
                                        f"{len(tokens)}")
-        with self.lock:
-            llama = self._llama
-            llama.seq_rm(_SCRATCH_SEQ, -1, -1)
+        with self.guarded():
             try:
                 return self._run(list(tokens), list(range(len(tokens))),
-                                 [_SCRATCH_SEQ] * len(tokens), [True] * len(tokens))
+                                 [SCRATCH_SEQ] * len(tokens), [True] * len(tokens))
             finally:
-                llama.seq_rm(_SCRATCH_SEQ, -1, -1)
+                # its cells are the topmost ones (nothing ran after it): freeing them leaves
+                # no free cell below a live one
+                self._llama.free_top(SCRATCH_SEQ)
 
     # -- stats and checks ---------------------------------------------------------------------
+    @property
+    def reference_options(self) -> dict[str, object]:
+        """Keywords of ``llama_cpp.Llama`` that give llama-cpp-python's own evaluation this
+        engine's attention and KV types (so their results can be compared token for token)."""
+        return {"flash_attn": True, "type_k": self._llama.k_type, "type_v": self._llama.v_type}
+
     def kv_stats(self) -> dict[str, int]:
         """Stored KV in bytes (cells x bytes per cell), like the HF engine's store counters."""
         with self.store.lock:
@@ -314,8 +390,13 @@ class LlamaCppBackend:
             if owned != set(self.store.lent()):
                 raise RuntimeError(f"sequences lent out {sorted(self.store.lent())} differ from "
                                    f"those open batches own {sorted(owned)}")
-            if self._llama.seq_pos_max(_SCRATCH_SEQ) != -1:
+            if self._llama.seq_pos_max(SCRATCH_SEQ) != -1:
                 raise RuntimeError("the fresh_logits sequence still holds cells")
+            for seq, positions in self._llama.cell_positions().items():
+                if seq != GARBAGE_SEQ and positions != sorted(set(positions)):
+                    raise RuntimeError(f"the cells of sequence {seq} are out of position order "
+                                       f"{positions}: its logits would differ from a fresh "
+                                       f"evaluation")
 
     def __repr__(self) -> str:
         return (f"LlamaCppBackend(n_ctx={self.n_ctx}, n_seq_max={self.n_seq_max}, "

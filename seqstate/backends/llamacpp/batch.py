@@ -68,7 +68,7 @@ class LlamaCppBatch:
 
     def add(self, rows: Sequence[Sequence[int]], extra: int) -> list[int]:
         """New slots holding each ``row[:-1]``'s KV, computing only uncached tails."""
-        with self._backend.lock:
+        with self._backend.guarded():
             handles = self._backend._ensure_kv(rows, extra)
             return [self._new(None, h, h.length) for h in handles]
 
@@ -79,7 +79,7 @@ class LlamaCppBatch:
     def extend(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Feed ``feeds[j]`` to ``slots[j]`` in one ``llama_decode`` (chunks of ``n_batch``);
         logits ``(len(feeds[j]), V)`` per slot."""
-        with self._backend.lock:
+        with self._backend.guarded():
             if len(slots) != len(feeds) or len(set(slots)) != len(slots) \
                     or not all(len(f) for f in feeds):
                 raise ValueError(f"expected distinct slots and tokens for each, got slots "
@@ -107,7 +107,7 @@ class LlamaCppBatch:
 
     def truncate(self, slot: int, length: int) -> None:
         """Forget the slot's KV past ``length`` tokens (``seq_rm``; shared cells stay)."""
-        with self._backend.lock:
+        with self._backend.guarded():
             s = self._slot(slot)
             if not 0 <= length <= s.length:
                 raise ValueError(f"cannot truncate slot {slot} of {s.length} tokens to {length}")
@@ -119,7 +119,7 @@ class LlamaCppBatch:
 
     def fork(self, slot: int) -> int:
         """A new slot continuing ``slot``: the same cells, tagged with one more sequence."""
-        with self._backend.lock:
+        with self._backend.guarded():
             s = self._slot(slot)
             if s.seq is None:
                 return self._new(None, s.base, s.length)
@@ -129,14 +129,14 @@ class LlamaCppBatch:
 
     def release(self, slot: int) -> None:
         """Drop the slot; its own sequence goes back (cells other sequences tag stay)."""
-        with self._backend.lock:
+        with self._backend.guarded():
             s = self._slots.pop(slot, None)
             if s is not None and s.seq is not None:
                 self._store.release(s.seq)
 
     def commit(self, slot: int, tokens: Sequence[int], length: int) -> SeqHandle:
         """Store the slot's KV of ``tokens[:length]``; returns a pinned handle on it."""
-        with self._backend.lock:
+        with self._backend.guarded():
             s = self._slot(slot)
             if not 0 <= length <= s.length:
                 raise ValueError(f"slot {slot} holds {s.length} tokens, cannot commit {length}")
@@ -161,7 +161,7 @@ class LlamaCppBatch:
 
     def close(self) -> None:
         """Release every slot; committed KV stays in the store."""
-        with self._backend.lock:
+        with self._backend.guarded():
             for slot in list(self._slots):
                 self.release(slot)
 

@@ -1,4 +1,17 @@
-"""llama.cpp itself: one model and context, their batch, and the few calls seqstate makes."""
+"""llama.cpp itself: one model and context, their batch, and the few calls seqstate makes.
+
+Two things here keep every row's logits independent of what else runs (see the exactness
+notes in `seqstate.backends.llamacpp.backend`):
+
+- the KV types make llama.cpp's CPU flash attention take its per-query-row kernel, whatever
+  the batch holds (`KV_TYPES`);
+- no freed cell is ever reused below live ones.  Cells are freed only by `Llama.compact()`,
+  which packs the live cells to the bottom of the cache in their order; everything else that
+  would free cells (`Llama.seq_rm`) leaves them tagged with a garbage sequence until then.
+  llama.cpp places new tokens in the lowest free cells at or above its search head, and with no
+  free cell below a live one that is always above every live cell, so each sequence's cells
+  stay in position order, the order a fresh evaluation sums them in.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +26,39 @@ import torch
 
 from seqstate.errors import ModelNotAvailable
 
-__all__ = ["Llama", "usable_cores"]
+__all__ = ["Llama", "check_gguf", "quiet_logs", "usable_cores", "SCRATCH_SEQ", "GARBAGE_SEQ",
+           "RESERVED_SEQS", "KV_TYPES", "GGUF_MAGIC"]
 
-_K_BYTES = 2.0                # bytes per K element: f16, llama.cpp's default
-_V_TYPES = {ll.GGML_TYPE_Q8_0: 34 / 32, ll.GGML_TYPE_F16: 2.0}   # V type -> bytes per element
+GGUF_MAGIC = b"GGUF"
+
+SCRATCH_SEQ = 0               # fresh evaluations (`LlamaCppBackend.fresh_logits`)
+GARBAGE_SEQ = 1               # cells nothing uses any more, kept occupied until compact()
+RESERVED_SEQS = 2
+
+# (K, V) cache types, first that the model takes.  K and V of different types keep llama.cpp's
+# CPU flash attention on its per-row kernel for every batch: its tiled kernel (64+ query rows
+# in a ubatch) and split-KV kernel (one query over 512+ cells) need K and V both f16 or f32,
+# and they group cells by absolute cell index, so a row's result would depend on where its
+# cells lie.  q8_0 needs head dims divisible by 32; f32 V is the fallback.
+KV_TYPES = ((ll.GGML_TYPE_F16, ll.GGML_TYPE_Q8_0), (ll.GGML_TYPE_F16, ll.GGML_TYPE_F32))
+_BYTES = {ll.GGML_TYPE_F16: 2.0, ll.GGML_TYPE_F32: 4.0, ll.GGML_TYPE_Q8_0: 34 / 32}
+_STATE_HEADER = 8             # magic and sequence id before a sequence state's cells
+
+
+def check_gguf(path: str | os.PathLike) -> None:
+    """`ModelNotAvailable` unless ``path`` is a readable file that starts as a GGUF file does
+    (checked before llama.cpp, which may abort the process on a foreign file, touches it)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise ModelNotAvailable(f"cannot read the model file {os.fspath(path)!r} ({exc}); pass "
+                                f"the path of a local .gguf file") from exc
+    if head != GGUF_MAGIC:
+        raise ModelNotAvailable(
+            f"{os.fspath(path)!r} is not a GGUF file: it starts with {head!r}, a GGUF file with "
+            f"{GGUF_MAGIC!r}; the llama.cpp engine takes .gguf files (a transformers checkpoint "
+            f"loads with ss.models.transformers())")
 
 
 def _ignore_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
@@ -25,6 +67,11 @@ def _ignore_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 
 # llama.cpp holds this pointer for the life of the process, so it must never be collected
 _QUIET_LOG = ll.llama_log_callback(_ignore_log)
+
+
+def quiet_logs() -> None:
+    """Silence llama.cpp's C logging (its log callback is one for the whole process)."""
+    ll.llama_log_set(_QUIET_LOG, None)
 
 
 def _free_llama(model: ll.llama_model_p, ctx: ll.llama_context_p, batch: ll.llama_batch) -> None:
@@ -37,7 +84,7 @@ class Llama:
     """The ctypes side: one model, one context with a unified KV cache, one batch buffer."""
 
     def __init__(self, path: str, n_ctx: int, n_threads: int, n_seq_max: int, n_batch: int) -> None:
-        ll.llama_log_set(_QUIET_LOG, None)
+        quiet_logs()
         ll.llama_backend_init()
         self.model = ll.llama_model_load_from_file(path.encode(), ll.llama_model_default_params())
         if not self.model:
@@ -48,23 +95,22 @@ class Llama:
         params.n_seq_max = n_seq_max
         params.n_threads = params.n_threads_batch = n_threads
         params.kv_unified = True                      # seq_cp shares cells instead of copying
-        # Flash attention with K and V of different types (f16 / q8_0) always runs llama.cpp's
-        # per-row CPU kernel: its tiled kernel (64+ query rows) and split-KV kernel (one query,
-        # 512+ cells) need equal types and round differently, which would make a row's logits
-        # depend on what else is in its batch.  q8_0 V also saves a third of the KV memory.
         params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.no_perf = True
-        for v_type in _V_TYPES:                       # q8_0 needs head dims divisible by 32
-            params.type_v = self.v_type = v_type
+        for self.k_type, self.v_type in KV_TYPES:
+            params.type_k, params.type_v = self.k_type, self.v_type
             self.ctx = ll.llama_init_from_model(self.model, params)
             if self.ctx:
                 break
         if not self.ctx:
             ll.llama_model_free(self.model)
-            raise RuntimeError(f"llama.cpp could not create a context with n_ctx={n_ctx}, "
-                               f"n_seq_max={n_seq_max}, n_batch={n_batch}")
+            raise ModelNotAvailable(f"llama.cpp could not create a context for {path!r} with "
+                                    f"n_ctx={n_ctx}, n_seq_max={n_seq_max}, n_batch={n_batch}")
         self.mem = ll.llama_get_memory(self.ctx)
         self.n_batch = n_batch
+        self.n_seq_max = n_seq_max
+        self.garbage = False                          # cells tagged GARBAGE_SEQ exist
+        self.compactions = 0
         self.batch = ll.llama_batch_init(n_batch, 0, 1)
         self._token = np.ctypeslib.as_array(self.batch.token, shape=(n_batch,))
         self._pos = np.ctypeslib.as_array(self.batch.pos, shape=(n_batch,))
@@ -85,13 +131,13 @@ class Llama:
         heads = ll.llama_model_n_head(self.model)
         k_dim = int(self.meta(f"{arch}.attention.key_length") or ll.llama_model_n_embd(self.model) // heads)
         v_dim = int(self.meta(f"{arch}.attention.value_length") or k_dim)
-        per_layer = ll.llama_model_n_head_kv(self.model) * (k_dim * _K_BYTES
-                                                             + v_dim * _V_TYPES[self.v_type])
+        per_layer = ll.llama_model_n_head_kv(self.model) * (k_dim * _BYTES[self.k_type]
+                                                             + v_dim * _BYTES[self.v_type])
         return round(ll.llama_model_n_layer(self.model) * per_layer)
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
                outputs: Sequence[bool]) -> int:
-        """One ``llama_decode``; returns its status (0 ok, 1 no KV slot)."""
+        """One ``llama_decode``; returns its status (0 ok, 1 no free cells: nothing changed)."""
         n = len(tokens)
         self._token[:n] = tokens
         self._pos[:n] = positions
@@ -110,6 +156,10 @@ class Llama:
 
     # -- the Memory protocol of SeqStore --------------------------------------------------------
     def seq_rm(self, seq: int, p0: int, p1: int) -> None:
+        """Untag positions ``[p0, p1)`` of ``seq``; cells no other sequence holds become
+        garbage (occupied until `compact()`), never free cells below live ones."""
+        ll.llama_memory_seq_cp(self.mem, seq, GARBAGE_SEQ, p0, p1)
+        self.garbage = True
         if not ll.llama_memory_seq_rm(self.mem, seq, p0, p1):
             raise RuntimeError(f"llama.cpp refused to remove positions [{p0}, {p1}) of seq {seq}")
 
@@ -121,6 +171,58 @@ class Llama:
 
     def seq_pos_max(self, seq: int) -> int:
         return ll.llama_memory_seq_pos_max(self.mem, seq)
+
+    # -- cell layout ------------------------------------------------------------------------------
+    def free_top(self, seq: int) -> None:
+        """Free every cell of ``seq`` at once; only for a sequence whose cells are the topmost
+        ones of the cache (the scratch sequence right after its evaluation): no hole results."""
+        ll.llama_memory_seq_rm(self.mem, seq, -1, -1)
+
+    def compact(self) -> bool:
+        """Free the garbage cells and pack the live ones to the bottom, in their order.
+
+        The whole cache goes through llama.cpp's own state copy (out, then back in from cell
+        0): bytes, positions and sequence tags are kept exactly.  Returns False when there was
+        no garbage to free.
+        """
+        if not self.garbage:
+            return False
+        ll.llama_memory_seq_rm(self.mem, GARBAGE_SEQ, -1, -1)
+        buf, n = self._state()
+        if ll.llama_state_seq_set_data(self.ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                       n, -1) != n:
+            raise RuntimeError("llama.cpp could not restore its KV cache while compacting it")
+        self.garbage = False
+        self.compactions += 1
+        return True
+
+    def _state(self) -> tuple[np.ndarray, int]:
+        n = ll.llama_state_seq_get_size(self.ctx, -1)
+        buf = np.empty(n, np.uint8)
+        if ll.llama_state_seq_get_data(self.ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                       n, -1) != n:
+            raise RuntimeError("llama.cpp could not copy out its KV cache")
+        return buf, n
+
+    def cell_positions(self) -> dict[int, list[int]]:
+        """Per sequence, the positions of its cells in cell order (a check of the layout; it
+        copies the whole cache).  Reads the cache's first section: the full-attention cells."""
+        buf, n = self._state()
+        words = buf[_STATE_HEADER: n - (n - _STATE_HEADER) % 4].view(np.int32)
+        # n_stream, cell_count, then per cell: position, n_seq_id, the sequence ids
+        if words[0] != 1:
+            raise RuntimeError(f"expected a unified KV cache (one stream), got {words[0]}")
+        out: dict[int, list[int]] = {}
+        at = 2
+        for _ in range(int(words[1])):
+            pos, n_ids = int(words[at]), int(words[at + 1])
+            if not 0 < n_ids <= self.n_seq_max:
+                raise RuntimeError("cannot read llama.cpp's cell layout (a model with extra "
+                                   "per-cell data?)")
+            for seq in words[at + 2: at + 2 + n_ids]:
+                out.setdefault(int(seq), []).append(pos)
+            at += 2 + n_ids
+        return out
 
 
 def usable_cores() -> int:

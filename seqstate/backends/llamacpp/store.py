@@ -36,7 +36,11 @@ __all__ = ["Memory", "Node", "SeqHandle", "SeqStore"]
 
 
 class Memory(Protocol):
-    """The llama.cpp memory operations the store needs (positions ``[p0, p1)``, -1 = open)."""
+    """The llama.cpp memory operations the store needs (positions ``[p0, p1)``, -1 = open).
+
+    ``seq_rm`` untags cells; the engine keeps cells it frees occupied until it compacts the
+    cache (see `seqstate.backends.llamacpp.native`), which the store never sees.
+    """
 
     def seq_rm(self, seq: int, p0: int, p1: int) -> None: ...
 
