@@ -1,13 +1,13 @@
 """seqstate: structured LLM generation on immutable, forkable sequence states."""
 
 from seqstate import backends, constraints, engine, grammars, hooks, kv, models, sampling, viz
-from seqstate.continuous import (Generator, cfg, choice, continuous, final_state, json, regex,
-                                 text)
-from seqstate.chat import chat
-from seqstate.errors import (ArgumentError, BatchMismatch, ChatTemplateError, ConstraintError,
-                             ContextOverflowError, HookError, ModelMismatch, ModelNotAvailable,
-                             SampleMismatch, SeqStateError, SlicingError)
 from seqstate.batch import BatchError, run_batch
+from seqstate.conversation import chat
+from seqstate.errors import (ArgumentError, BatchMismatch, CapabilityError, ChatTemplateError,
+                             ConstraintError, ContextOverflowError, HookError, ModelMismatch,
+                             ModelNotAvailable, SampleMismatch, SeqStateError, SlicingError)
+from seqstate.generation import (Generator, cfg, choice, continuous, final_state, json, regex,
+                                 text)
 from seqstate.sampling import beam_search, greedy, multinomial
 from seqstate.state import SequenceState, from_tokens
 
@@ -17,5 +17,5 @@ __all__ = [
     "models", "backends", "engine", "kv", "sampling", "constraints", "grammars", "hooks", "viz",
     "SeqStateError", "SlicingError", "BatchMismatch", "SampleMismatch", "ModelMismatch",
     "ConstraintError", "ContextOverflowError", "ModelNotAvailable", "HookError", "ArgumentError",
-    "ChatTemplateError",
+    "ChatTemplateError", "CapabilityError",
 ]

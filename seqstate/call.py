@@ -13,8 +13,8 @@ from typing import Any, TypedDict
 import torch
 
 from seqstate.detokenize import StopMatcher
-from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS
 from seqstate.errors import ArgumentError
+from seqstate.hooks import DEFAULT_MAX_BACKTRACKS
 from seqstate.sampling.params import Greedy, Sampler, _is_int
 
 __all__ = ["Call", "CallOptions", "CALL_PARAMETERS", "DEFAULT_MAX_TOKENS", "MAX_CONSTRAINED_TOKENS"]
@@ -159,9 +159,10 @@ class Call:
             raise ArgumentError(f"num_samples must be a positive int or None, got {self.num_samples!r}")
         if not _is_int(self.max_backtracks) or self.max_backtracks < 0:
             raise ArgumentError(f"max_backtracks must be an int >= 0, got {self.max_backtracks!r}")
-        if not hasattr(self.sampler, "choose"):
-            raise ArgumentError("sampler must be ss.greedy(), ss.multinomial(...) or "
-                                f"ss.beam_search(...), got {self.sampler!r}")
+        if not isinstance(self.sampler, Sampler):
+            raise ArgumentError("sampler must be ss.greedy(), ss.multinomial(...), "
+                                "ss.beam_search(...) or a subclass of ss.sampling.Sampler, "
+                                f"got {self.sampler!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ArgumentError(f"seed must be an int, got {self.seed!r}")
         if self.rng is not None and not isinstance(self.rng, torch.Generator):

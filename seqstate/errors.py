@@ -18,6 +18,7 @@ __all__ = [
     "ChatTemplateError",
     "HookError",
     "ArgumentError",
+    "CapabilityError",
 ]
 
 
@@ -68,3 +69,16 @@ class ArgumentError(SeqStateError, TypeError, ValueError):
 
     It is both a ``TypeError`` and a ``ValueError``, so code written for either catches it.
     """
+
+
+class CapabilityError(SeqStateError, NotImplementedError):
+    """A feature that needs an engine capability the model's engine does not have, refused
+    before any compute.  ``capability`` names the missing `Capabilities` field (such as
+    ``"full_logits"``), ``engine`` the engine (``model.engine``)."""
+
+    def __init__(self, message: str, capability: str = "", engine: str = "") -> None:
+        super().__init__(message)
+        self.capability, self.engine = capability, engine
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.capability, self.engine))

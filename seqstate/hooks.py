@@ -1,6 +1,8 @@
 """Post-sampling hooks: look at each sampled token and accept, replace, resample or roll back.
 
-A hook is any callable ``hook(event) -> action``; returning ``None`` accepts the token.  Every
+A hook is any callable ``hook(event) -> action``; returning ``None`` accepts the token.  A
+subclass of `Hook` also declares how far back it may roll back (``lookback``, read by streams)
+and which constraints force its rollbacks (``forced_by``, checked before compute).  Every
 resample or rollback counts against the call's ``max_backtracks``; a row that exceeds it finishes
 with ``finish_reason="max_backtracks"``.  Rolling back crops the row's KV (the dropped positions
 are masked, never recomputed by a prefill), its constraint cursor, log-probs and detokenizer.
@@ -10,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from functools import cached_property
-from typing import Protocol
 
 import interegular
 import torch
@@ -20,7 +22,9 @@ import torch
 from seqstate.errors import ConstraintError, HookError
 
 __all__ = ["SampleEvent", "Accept", "Replace", "Resample", "Rollback", "Action", "Hook",
-           "ban_phrases"]
+           "as_hook", "ban_phrases", "DEFAULT_MAX_BACKTRACKS"]
+
+DEFAULT_MAX_BACKTRACKS = 32      # resamples and rollbacks a row may take in one call
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -114,12 +118,54 @@ class SampleEvent:
 _ANALYSE_MAX_CHARS = 2000
 
 
-class Hook(Protocol):
-    def __call__(self, event: SampleEvent) -> Action: ...
+class Hook(ABC):
+    """A post-sampling hook that declares what streams and checks need to know of it.
+
+    Any callable taking a `SampleEvent` is a hook; subclass this one to declare more.  A
+    plain function gets the defaults, or the ``lookback`` it carries as an attribute.
+
+    Attributes
+    ----------
+    lookback : int or None
+        How many characters back the hook may roll back (None: anywhere in the call's
+        text).  A stream holds back the text a hook may still roll back; ``0`` streams as
+        usual.  Set it on the class or on an instance (``hook.lookback = 0``).
+    """
+
+    lookback: int | None = None
+
+    @abstractmethod
+    def __call__(self, event: SampleEvent) -> Action:
+        """The action for ``event``'s sampled token (None accepts it)."""
+
+    def forced_by(self, constraint_regex: str) -> bool:
+        """True when every text matching ``constraint_regex`` makes the hook roll back: the
+        call is refused before compute.  False when it cannot tell (the default)."""
+        return False
 
 
-class _BanPhrases:
-    """The hook behind `ban_phrases()` (a callable object so streams can read ``lookback``)."""
+class _FunctionHook(Hook):
+    """A plain callable seen as a `Hook`, keeping the ``lookback`` a function may carry."""
+
+    def __init__(self, function: Callable[[SampleEvent], Action]) -> None:
+        self.function = function
+        # the documented way to declare it on a plain function: ``fn.lookback = 0``
+        self.lookback = getattr(function, "lookback", None)
+
+    def __call__(self, event: SampleEvent) -> Action:
+        return self.function(event)
+
+    def __repr__(self) -> str:
+        return repr(self.function)
+
+
+def as_hook(hook: Callable[[SampleEvent], Action]) -> Hook:
+    """``hook`` as a `Hook`: itself when it is one, else a plain callable with the defaults."""
+    return hook if isinstance(hook, Hook) else _FunctionHook(hook)
+
+
+class _BanPhrases(Hook):
+    """The hook behind `ban_phrases()`."""
 
     def __init__(self, pattern: re.Pattern, lookback: int) -> None:
         self.pattern = pattern
@@ -158,7 +204,7 @@ class _BanPhrases:
 
 
 def ban_phrases(phrases: Sequence[str], *, regex: bool = False, ignore_case: bool = True,
-                lookback: int = 200) -> Callable[[SampleEvent], Action]:
+                lookback: int = 200) -> Hook:
     r"""A hook that never lets the generated text contain any of ``phrases``.
 
     Matching runs across token boundaries: when a phrase completes, the row rolls back to the
@@ -180,9 +226,8 @@ def ban_phrases(phrases: Sequence[str], *, regex: bool = False, ignore_case: boo
 
     Returns
     -------
-    callable
-        The hook; its ``lookback`` attribute tells streams how much text it may still roll
-        back.
+    Hook
+        The hook; its ``lookback`` tells streams how much text it may still roll back.
 
     Examples
     --------

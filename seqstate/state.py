@@ -9,110 +9,11 @@ from typing import Any
 
 import torch
 
-from seqstate.backends.base import Handle as KVHandle
-from seqstate.chat import Chat
-from seqstate.constraints.base import Cursor
 from seqstate.errors import BatchMismatch, ModelMismatch, SlicingError
 from seqstate.indexing import is_prefix, normalize, token_positions
+from seqstate.rows import Chat, Row, Span, not_a_conversation
 
 __all__ = ["SequenceState", "Row", "Span", "Axis", "TokenAxis", "Captures", "from_tokens"]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Span:
-    """One generator call's tokens ``[start, end)`` in a row, and what it produced.
-
-    Attributes
-    ----------
-    start, end : int
-        The call's tokens in the row: ``row.tokens[start:end]``.
-    generator : Generator
-        The generator that made them.
-    finish_reason : str
-        Why the call ended (see `SequenceState.finish_reason`).
-    value : object
-        What the call produced: its text, the chosen option, the parsed JSON; None when a
-        constrained call did not complete or the span was cut by slicing.
-    scores : dict of str to float, optional
-        Option scoring (``choice(..., method="score")``): every option's score.
-    name : str, optional
-        The call's ``name=``: the capture ``state[name]`` reads.
-    """
-
-    start: int
-    end: int
-    generator: Any
-    finish_reason: str
-    value: Any
-    scores: dict[str, float] | None = None      # option scoring: every option's score
-    name: str | None = None                     # the call's ``name=``: a capture
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Row:
-    """One (batch, sample) row.
-
-    Attributes
-    ----------
-    tokens : tuple of int
-        The row's token ids.
-    handle : KVHandle or None
-        The stored KV of a prefix of ``tokens`` (None: none yet).
-    logprobs : tuple of float or None
-        Per token, its log-prob when the model generated it, else None.
-    cursors : tuple of Cursor or None
-        Per token, the constraint state after it (None outside constrained calls).
-    spans : tuple of Span
-        The generator calls that produced parts of the row.
-    chat : Chat or None
-        The conversation, for rows made by ``ss.chat`` (see `seqstate.chat`).
-    """
-
-    tokens: tuple[int, ...]
-    handle: KVHandle | None
-    logprobs: tuple[float | None, ...]
-    cursors: tuple[Cursor | None, ...]
-    spans: tuple[Span, ...] = ()
-    chat: Chat | None = None
-
-    @property
-    def last_span(self) -> Span | None:
-        return self.spans[-1] if self.spans else None
-
-    def select(self, positions: range, keep_kv: bool) -> Row:
-        """The tokens at ``positions`` (a step-1 range or any range), spans clipped and shifted."""
-        toks = tuple(self.tokens[i] for i in positions)
-        lps = tuple(self.logprobs[i] for i in positions)
-        curs = tuple(self.cursors[i] for i in positions)
-        handle = None
-        if keep_kv and self.handle is not None:
-            handle = self.handle.prefix(len(toks))
-        spans = []
-        if positions.step == 1:
-            lo, hi = positions.start, positions.stop
-            for span in self.spans:
-                if span.end <= lo or span.start >= hi:
-                    continue
-                cut = dataclasses.replace(span, start=max(span.start, lo) - lo, end=min(span.end, hi) - lo)
-                if cut.end - cut.start != span.end - span.start:
-                    # a span cut short no longer carries its value (nor a capture: its name
-                    # stays only for resume()): it is a different text now
-                    cut = dataclasses.replace(cut, value=None, finish_reason="sliced")
-                spans.append(cut)
-        chat = None
-        if positions.step == 1 and positions.start == 0 and self.chat is not None:
-            chat = self.chat.prefix(len(toks))
-        return Row(toks, handle, lps, curs, tuple(spans), chat)
-
-    def extended(self, tokens: Sequence[int], logprobs: Sequence[float | None] | None = None,
-                 cursors: Sequence[Cursor | None] | None = None, spans: Sequence[Span] = ()) -> Row:
-        n = len(tokens)
-        shift = len(self.tokens)
-        return Row(self.tokens + tuple(tokens), self.handle,
-                   self.logprobs + tuple(logprobs if logprobs is not None else [None] * n),
-                   self.cursors + tuple(cursors if cursors is not None else [None] * n),
-                   self.spans + tuple(dataclasses.replace(s, start=s.start + shift, end=s.end + shift)
-                                      for s in spans), self.chat)
 
 
 def _nested(flat: list, batch: int, samples: int) -> list[list]:
@@ -348,23 +249,28 @@ class SequenceState:
         return SequenceState(self.model, tuple(rows), batch or self.n_batch, samples or self.n_samples)
 
     # -- chat ---------------------------------------------------------------------------------
+    # A conversation's rows carry the chat layer's record, which renders the turns: the state
+    # continues a conversation without knowing how turns are rendered.
     def system(self, content: str | Sequence[str]) -> SequenceState:
         """Append a system turn (the tokenizer's chat template renders it)."""
-        from seqstate.chat import add_turn
-        return add_turn(self, "system", content)
+        return self._conversation().turn(self, "system", content)
 
     def user(self, content: str | Sequence[str]) -> SequenceState:
         """Append a user turn and open the assistant's; only the new tokens are prefilled.
         A list gives one text per batch item (a one-item conversation branches)."""
-        from seqstate.chat import add_turn
-        return add_turn(self, "user", content)
+        return self._conversation().turn(self, "user", content)
 
     def assistant(self, reply: Any, **call: Any) -> SequenceState:
         """The assistant's turn: ``reply`` is its text (a str, or one per batch item) or a
         generator, called on the state with ``call``'s keywords (``name=`` captures it)."""
-        from seqstate.chat import add_reply
-        return add_reply(self, reply, call)
+        return self._conversation().reply(self, reply, call)
 
+    def _conversation(self) -> Chat:
+        """The chat record that renders this state's next turn."""
+        for row in self.rows:
+            if row.chat is not None:
+                return row.chat
+        raise not_a_conversation()
 
 def _broadcast(a: int, b: int, axis: str, sa: tuple, sb: tuple) -> int:
     if a == b or b == 1:

@@ -267,7 +267,7 @@ def test_foreign_keyword_still_names_seqstates_spelling(tiny):
 
 def test_default_max_tokens_bounds_free_text_and_constrained_calls(tiny, monkeypatch):
     import importlib
-    continuous = importlib.import_module("seqstate.continuous")
+    continuous = importlib.import_module("seqstate.generation.prompts")
     eos = tuple(tiny.eos_token_ids)
     no_eos = lambda e: ss.hooks.Resample(ban=eos) if e.token in eos else None  # noqa: E731
     s = ss.text(tiny)("Go", hooks=[no_eos])

@@ -13,7 +13,7 @@ import seqstate as ss
 from seqstate.constraints import compile as compiled
 from seqstate.constraints.json_formats import FORMATS, format_checker
 from seqstate.constraints.json_lark import LLGUIDANCE_QUOTES_LONG_CONSTANTS
-from seqstate.constraints.json_schema import prepare
+from seqstate.constraints.json_prepare import prepare
 
 HOT = ss.multinomial(temperature=1.5)
 OBJECT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

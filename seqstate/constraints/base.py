@@ -1,49 +1,82 @@
-"""The constraint protocol: a compiled constraint (frozen, cached) and its per-row cursors."""
+"""The constraint protocol: a compiled constraint (frozen, cached) and its per-row cursors.
+
+Both are small base classes: an implementation subclasses them, gives the abstract members and
+overrides the defaults where it can do more (drafts, validation, prefixing, a known regex).
+"""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from abc import ABC, abstractmethod
 
 import torch
 
 __all__ = ["Cursor", "Constraint"]
 
 
-@runtime_checkable
-class Cursor(Protocol):
+class Cursor(ABC):
     """Where one row stands in a constraint.  Immutable: ``advance`` returns a new cursor.
 
     Cursors are stored per generated token, so slicing a state back k tokens rolls the
     constraint back with the KV (the cursor stored at the new last token is the one to resume).
     """
 
+    __slots__ = ()
+
+    @abstractmethod
     def allowed(self) -> torch.Tensor:
         """Bool mask (V,) of tokens allowed next; EOS ids are allowed when ``accepting``."""
-        ...
 
-    def advance(self, token: int) -> Cursor:
-        """The cursor after ``token`` (which must be allowed)."""
-        ...
+    @abstractmethod
+    def advance(self, token: int) -> Cursor | None:
+        """The cursor after ``token`` (which must be allowed); None once nothing is constrained."""
 
     @property
+    @abstractmethod
     def accepting(self) -> bool:
         """The text so far is a complete match: generation may stop here."""
-        ...
 
     @property
+    @abstractmethod
     def complete(self) -> bool:
         """Accepting and no token can follow: generation must stop here."""
-        ...
+
+    def compiled(self) -> Constraint | None:
+        """The compiled constraint this cursor walks (its ``parse`` gives the value); None
+        for a cursor of none, such as token healing's."""
+        return None
+
+    def draft(self) -> tuple[int, ...]:
+        """Tokens every match must continue with, canonically tokenized: a speculation draft
+        the engine verifies against the model (never forces).  None known: ``()``."""
+        return ()
 
 
-@runtime_checkable
-class Constraint(Protocol):
-    """A compiled constraint, shared by every row and cached per (spec, tokenizer)."""
+class Constraint(ABC):
+    """A compiled constraint, shared by every row and cached per (spec, tokenizer).
 
+    Attributes
+    ----------
+    pattern : str or None
+        A regex of exactly the texts the constraint allows, where one is known (None
+        otherwise): checks such as a hook's ``forced_by`` analyse it before compute.
+    """
+
+    pattern: str | None = None
+
+    @abstractmethod
     def start(self) -> Cursor:
         """The cursor before any generated token."""
-        ...
 
+    @abstractmethod
     def parse(self, text: str) -> object:
         """The ``value`` of a complete match (the text, an option, parsed JSON...)."""
-        ...
+
+    def validate(self, text: str) -> str | None:
+        """None when the complete match ``text`` is a valid value, else why not.  A check
+        the constraint itself cannot make (a JSON schema's ``uniqueItems``); none by default."""
+        return None
+
+    def prefixed(self, text: str) -> Constraint | None:
+        """This constraint with ``text`` required first, its value parsed from what follows
+        (token healing re-spells backed-up prompt text); None when it cannot be prefixed."""
+        return None

@@ -11,19 +11,14 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import pydantic
+
 from seqstate.constraints.grammar import GrammarConstraint
 from seqstate.constraints.json_constraint import JsonConstraint, check_options
-from seqstate.constraints.regex import RegexConstraint
+from seqstate.constraints.regex_constraint import RegexConstraint, escape
 from seqstate.errors import ConstraintError
 
 __all__ = ["regex", "choice", "json_schema", "cfg", "escape", "options_of"]
-
-_SPECIAL = set("\\.^$|?*+()[]{}-/\"")
-
-
-def escape(text: str) -> str:
-    """Escape regex metacharacters only (outlines_core rejects escapes of ordinary characters)."""
-    return "".join("\\" + c if c in _SPECIAL else c for c in text)
 
 
 def _cached(model, key: tuple, build: Callable[[], Any]) -> Any:
@@ -135,7 +130,7 @@ def choice(model, spec: Any) -> RegexConstraint:
 
 def _schema_of(spec: Any) -> tuple[object, str, Callable[[str], Any], object]:
     """``(schema, schema text, parse, cache key part)`` of a JSON-schema spec."""
-    if isinstance(spec, type) and hasattr(spec, "model_json_schema"):    # pydantic model
+    if isinstance(spec, type) and issubclass(spec, pydantic.BaseModel):
         schema = spec.model_json_schema()
         return schema, json.dumps(schema), spec.model_validate_json, spec
     if isinstance(spec, (dict, bool)):
@@ -170,7 +165,7 @@ def json_schema(model, spec: Any, *, whitespace: str = "compact",
         any JSON whitespace.
     additional_properties : bool
         False closes object schemas that list ``properties`` without saying whether other
-        keys are allowed (see ``json_schema.prepare``); True follows the JSON Schema default.
+        keys are allowed (see ``json_prepare.prepare``); True follows the JSON Schema default.
     key_order : {"schema", "required_first"}
         Properties in the schema's order, or the required ones first.
     """

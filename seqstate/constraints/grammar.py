@@ -17,6 +17,7 @@ from llguidance import TokenizerWrapper
 import numpy as np
 import torch
 
+from seqstate.constraints.base import Constraint, Cursor
 from seqstate.errors import ConstraintError
 
 __all__ = ["GrammarConstraint", "GrammarCursor"]
@@ -63,7 +64,7 @@ def _lark_error(error: str) -> str:
             "(llguidance Lark syntax; the rule `start` is the entry point)")
 
 
-class GrammarConstraint:
+class GrammarConstraint(Constraint):
     """A compiled llguidance grammar: frozen and shared by every row.
 
     Parameters
@@ -144,7 +145,7 @@ class GrammarConstraint:
             validate=None if self._validate is None else lambda t: self._validate(t[n:]))
 
 
-class GrammarCursor:
+class GrammarCursor(Cursor):
     """An llguidance matcher owned by exactly one generated token; never advanced in place."""
 
     __slots__ = ("constraint", "matcher", "_bits", "_mask", "_draft")
@@ -155,6 +156,9 @@ class GrammarCursor:
         self._bits: np.ndarray | None = None
         self._mask: torch.Tensor | None = None
         self._draft: tuple[int, ...] | None = None
+
+    def compiled(self) -> GrammarConstraint:
+        return self.constraint
 
     def draft(self) -> tuple[int, ...]:
         """The text the grammar forces next (llguidance's fast-forward bytes), tokenized as the

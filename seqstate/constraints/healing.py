@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from seqstate.constraints.base import Cursor
 from seqstate.detokenize import TokenVocabulary
 
 __all__ = ["heal_span", "HealingCursor", "MAX_HEAL_TOKENS"]
@@ -38,7 +39,7 @@ def heal_span(vocab: TokenVocabulary, tokens: Sequence[int]) -> int:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class HealingCursor:
+class HealingCursor(Cursor):
     """Allows only tokens that continue spelling ``remaining``; becomes None once it is spelled."""
 
     vocab: TokenVocabulary

@@ -1,6 +1,6 @@
 """JSON-schema constraints: llguidance's grammar, then ``jsonschema`` on every finished value.
 
-The schema is prepared (`json_schema`) and compiled by llguidance into a grammar that
+The schema is prepared (`json_prepare`) and compiled by llguidance into a grammar that
 allows every valid value and, where the grammar cannot say it all, a few more; the complete
 text is then validated against the original schema, and a value that fails is never parsed.
 """
@@ -17,7 +17,7 @@ import llguidance
 from seqstate.constraints.grammar import GrammarConstraint
 from seqstate.constraints.json_formats import format_checker
 from seqstate.constraints.json_lark import needs_lark, to_lark
-from seqstate.constraints.json_schema import (KEY_ORDERS, Prepared, check_refs, find_keyword,
+from seqstate.constraints.json_prepare import (KEY_ORDERS, Prepared, check_refs, find_keyword,
                                               prepare, subschemas)
 from seqstate.errors import ConstraintError
 

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
 
 import torch
 
+from seqstate.errors import ArgumentError
 from seqstate.sampling.functions import (filter_min_p, filter_top_k, filter_top_p,
                                          greedy_tokens, presence_frequency_penalty, race_sample,
                                          repetition_penalty)
-
-from seqstate.errors import ArgumentError
 
 __all__ = ["Sampler", "Greedy", "Multinomial", "BeamSearch", "greedy", "multinomial", "beam_search"]
 
@@ -26,15 +25,31 @@ def _is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == value
 
 
-@runtime_checkable
-class Sampler(Protocol):
-    """Chooses one token per row from constrained logits (B, V); -inf marks banned tokens."""
+History = Sequence[tuple[Sequence[int], int]]     # per row: (its tokens, where this call began)
 
-    def choose(self, logits: torch.Tensor, rng: torch.Generator | None) -> torch.Tensor: ...
+
+class Sampler(ABC):
+    """Chooses one token per row from constrained logits (B, V); -inf marks banned tokens.
+
+    Attributes
+    ----------
+    needs_history : bool
+        Whether `choose` needs the rows' tokens (``history``); the engine passes them only
+        then.  False by default.
+    """
+
+    __slots__ = ()
+    needs_history: bool = False
+
+    @abstractmethod
+    def choose(self, logits: torch.Tensor, rng: torch.Generator | None,
+               history: History | None = None) -> torch.Tensor:
+        """One token id per row (B,).  ``history[b]`` is row ``b``'s ``(tokens, start)``,
+        ``tokens[start:]`` being what this call generated (given when ``needs_history``)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Greedy:
+class Greedy(Sampler):
     """Always the most likely allowed token.
 
     Examples
@@ -44,12 +59,13 @@ class Greedy:
     Greedy()
     """
 
-    def choose(self, logits: torch.Tensor, rng: torch.Generator | None) -> torch.Tensor:
+    def choose(self, logits: torch.Tensor, rng: torch.Generator | None,
+               history: History | None = None) -> torch.Tensor:
         return greedy_tokens(logits)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Multinomial:
+class Multinomial(Sampler):
     """Ancestral sampling with penalties, temperature, then top-k, top-p and min-p filtering.
 
     Applied in Hugging Face's order: ``repetition_penalty`` (over every token of the row,
@@ -98,8 +114,7 @@ class Multinomial:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
-    def warp(self, logits: torch.Tensor,
-             history: Sequence[tuple[Sequence[int], int]] | None = None) -> torch.Tensor:
+    def warp(self, logits: torch.Tensor, history: History | None = None) -> torch.Tensor:
         """The logits ``choose`` draws from; ``history[b]`` is row ``b``'s ``(tokens, start)``,
         ``tokens[start:]`` being what this call generated."""
         if self.needs_history:
@@ -122,12 +137,12 @@ class Multinomial:
         return logits
 
     def choose(self, logits: torch.Tensor, rng: torch.Generator | None,
-               history: Sequence[tuple[Sequence[int], int]] | None = None) -> torch.Tensor:
+               history: History | None = None) -> torch.Tensor:
         return race_sample(self.warp(logits, history), rng)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class BeamSearch:
+class BeamSearch(Sampler):
     """Beam search over whole programs: keep the ``width`` best continuations by total log-prob.
 
     A beam is a sample of the state; its weight counts every generated token of the program so
@@ -151,7 +166,8 @@ class BeamSearch:
         if not _is_int(self.width) or self.width < 1:
             raise ArgumentError(f"beam width must be an int >= 1, got {self.width!r}")
 
-    def choose(self, logits: torch.Tensor, rng: torch.Generator | None) -> torch.Tensor:
+    def choose(self, logits: torch.Tensor, rng: torch.Generator | None,
+               history: History | None = None) -> torch.Tensor:
         """Per-row choice is the best token; the beam engine uses `score()` instead."""
         return greedy_tokens(logits)
 

@@ -12,49 +12,28 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from seqstate.errors import ArgumentError, ChatTemplateError
+from seqstate.models.base import BaseModel
+from seqstate.rows import Chat, Row, not_a_conversation
+from seqstate.state import SequenceState
 
-if TYPE_CHECKING:
-    from seqstate.state import Row, SequenceState
-
-__all__ = ["Chat", "chat", "add_turn", "add_reply", "markup_end"]
+__all__ = ["Conversation", "chat", "add_turn", "add_reply"]
 
 ROLES = ("system", "user", "assistant")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Chat:
-    """A row's conversation: closed turns, where each ends, and the open assistant turn."""
+class Conversation(Chat):
+    """The chat record of rows made by `chat()`: turns rendered by the tokenizer's template."""
 
-    messages: tuple[tuple[str, str], ...] = ()   # closed turns: (role, content)
-    ends: tuple[int, ...] = ()                  # the row's length after each closed turn
-    open_at: int | None = None                  # where the open assistant turn's content begins
-    answered: bool = False                      # the open turn was given text (maybe "")
+    def turn(self, state: SequenceState, role: str,
+             content: str | Sequence[str]) -> SequenceState:
+        return add_turn(state, role, content)
 
-    def prefix(self, n: int) -> Chat | None:
-        """The conversation of the row's first ``n`` tokens; None where ``n`` cuts a turn's
-        markup (the row is then plain text, not a chat)."""
-        if self.open_at is not None and n >= self.open_at:
-            return self
-        if n == 0:
-            return Chat()
-        for k in range(len(self.ends), 0, -1):
-            if self.ends[k - 1] == n:
-                return Chat(self.messages[:k], self.ends[:k])
-        return None
-
-
-def markup_end(row: Row) -> int:
-    """Where the row's text after its chat markup begins (0 for a row that is no chat):
-    edits of the row's tail, such as token healing, never reach before it."""
-    chat = row.chat
-    if chat is None:
-        return 0
-    if chat.open_at is not None:
-        return chat.open_at
-    return max(chat.ends[-1], 0) if chat.ends else 0
+    def reply(self, state: SequenceState, reply: Any, call: dict[str, Any]) -> SequenceState:
+        return add_reply(state, reply, call)
 
 
 def chat(model: Any) -> SequenceState:
@@ -70,14 +49,12 @@ def chat(model: Any) -> SequenceState:
     >>> s.shape, isinstance(s["fruit"], str)
     ((1, 1), True)
     """
-    from seqstate.state import Row, SequenceState
-
-    if not all(hasattr(model, name) for name in ("hf_tokenizer", "vocab", "encode")):
+    if not isinstance(model, BaseModel):
         raise ArgumentError(f"ss.chat() takes a seqstate model (ss.models.default(), "
                             f"ss.models.transformers(...)), got {type(model).__name__} "
                             f"{model!r:.60}")
     _render(model, [], False)              # a model without a template fails here, not later
-    return SequenceState(model, (Row((), None, (), (), (), Chat()),), 1, 1)
+    return SequenceState(model, (Row((), None, (), (), (), Conversation()),), 1, 1)
 
 
 def _render(model: Any, messages: Sequence[tuple[str, str]], opened: bool) -> str:
@@ -106,9 +83,7 @@ def _texts(state: SequenceState, content: str | Sequence[str], what: str) -> lis
 
 def _chat_of(row: Row) -> Chat:
     if row.chat is None:
-        raise ChatTemplateError("this state is not a conversation (or was cut inside a turn's "
-                                "markup); start one with ss.chat(model), or slice back to a "
-                                "turn boundary")
+        raise not_a_conversation()
     return row.chat
 
 
@@ -127,7 +102,7 @@ def _append(model: Any, row: Row, pieces: list[tuple[str, str | None]], messages
         if role is not None:
             part = model.encode(upto)
             ends.append(base + len(part) if tokens[:len(part)] == part else -1)
-    chat = Chat(messages, tuple(ends), base + len(tokens) if opened else None)
+    chat = Conversation(messages, tuple(ends), base + len(tokens) if opened else None)
     return dataclasses.replace(row.extended(tokens), chat=chat)
 
 
@@ -159,7 +134,7 @@ def _unopen(model: Any, row: Row) -> Row:
     k, rest = model.vocab.char_prefix_tokens(row.tokens, len(closed))
     extra = model.encode(rest) if rest else []
     kept = row.select(range(k), keep_kv=True).extended(extra)
-    return dataclasses.replace(kept, chat=Chat(chat.messages,
+    return dataclasses.replace(kept, chat=Conversation(chat.messages,
                                                chat.ends[:-1] + (k + len(extra),)))
 
 

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from outlines_core import Index, Vocabulary
 
+from seqstate.constraints.base import Constraint, Cursor
 from seqstate.errors import ConstraintError
 
-__all__ = ["RegexConstraint", "RegexCursor", "byte_vocabulary", "anchored"]
+__all__ = ["RegexConstraint", "RegexCursor", "byte_vocabulary", "anchored", "escape"]
 
 _MASK_CACHE = 1024       # allowed-token masks (and drafts) kept per compiled constraint
 _DRAFT_WIDTH = 64        # a state allowing more tokens than this forces no text
@@ -34,6 +35,14 @@ def byte_vocabulary(model) -> Vocabulary:
             continue
         table.setdefault(b, []).append(i)
     return Vocabulary(eos, table)
+
+
+_SPECIAL = set("\\.^$|?*+()[]{}-/\"")
+
+
+def escape(text: str) -> str:
+    """Escape regex metacharacters only (outlines_core rejects escapes of ordinary characters)."""
+    return "".join("\\" + c if c in _SPECIAL else c for c in text)
 
 
 def anchored(pattern: str) -> str:
@@ -78,12 +87,16 @@ def _sentinel(model) -> tuple[int, int]:
                           "make the pattern require at least one character")
 
 
-class RegexConstraint:
-    """A compiled regex over a model's vocabulary: frozen and shared by every row."""
+class RegexConstraint(Constraint):
+    """A compiled regex over a model's vocabulary: frozen and shared by every row.
 
-    def __init__(self, pattern: str, model, parse: Callable[[str], object] = str,
+    ``pattern`` is None for an index compiled elsewhere (`from_index`): its regex is unknown.
+    """
+
+    def __init__(self, pattern: str | None, model, parse: Callable[[str], object] = str,
                  index: Index | None = None) -> None:
         self.pattern = pattern
+        self.label = "an outlines index" if pattern is None else f"regex {pattern!r}"
         self._parse = parse
         self.vocab_size = model.vocab.size
         self.eos = sorted(model.eos_token_ids)
@@ -104,13 +117,21 @@ class RegexConstraint:
     @classmethod
     def from_index(cls, index: Index, model) -> RegexConstraint:
         """Wrap an index compiled elsewhere (an outlines generator's) on the same tokenizer."""
-        return cls("<outlines index>", model, index=index)
+        return cls(None, model, index=index)
 
     def start(self) -> RegexCursor:
         return RegexCursor(self, self.initial)
 
     def parse(self, text: str) -> object:
         return self._parse(text)
+
+    def prefixed(self, text: str) -> RegexConstraint | None:
+        """This regex with ``text`` required first; the value is parsed from the rest."""
+        if self.pattern is None:
+            return None
+        n = len(text)
+        return RegexConstraint(escape(text) + "(" + self.pattern + ")", self.model,
+                               parse=lambda t: self._parse(t[n:]))
 
     def mask(self, state: int) -> torch.Tensor:
         m = self._masks.get(state)
@@ -227,9 +248,12 @@ def _token_by_bytes(model) -> dict[bytes, int]:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class RegexCursor:
+class RegexCursor(Cursor):
     constraint: RegexConstraint
     state: int
+
+    def compiled(self) -> RegexConstraint:
+        return self.constraint
 
     def allowed(self) -> torch.Tensor:
         return self.constraint.mask(self.state)
@@ -241,7 +265,7 @@ class RegexCursor:
     def advance(self, token: int) -> RegexCursor:
         nxt = self.constraint.index.get_next_state(self.state, token)
         if nxt is None:
-            raise ConstraintError(f"token {token} is not allowed by regex {self.constraint.pattern!r} here")
+            raise ConstraintError(f"token {token} is not allowed by {self.constraint.label} here")
         return RegexCursor(self.constraint, nxt)
 
     @property

@@ -1,0 +1,74 @@
+"""Engine capabilities a call needs, checked before any compute.
+
+Which feature needs which `Capabilities` field (the mapping the field docs state):
+
+=================  ==============================================================
+full_logits        hooks (a `SampleEvent` carries the whole next-token distribution,
+                   and a resample draws from it again); beam search (every beam is
+                   expanded over the whole vocabulary)
+prefix_sharing     forking: ``num_samples=k > 1`` on a one-sample state (the samples
+                   share their prompt's KV); beam search (beams fork as they split)
+batching           a decoding call over more than one row (several prompts or
+                   samples); beam search over more than one beam
+=================  ==============================================================
+
+Free text, constraints, samplers and their penalties, stop strings, token healing and
+option scoring (``choice(..., method="score")``) need none of them: an engine runs them
+where its logits live.
+"""
+
+from __future__ import annotations
+
+from seqstate.errors import CapabilityError
+from seqstate.models.base import BaseModel
+from seqstate.sampling.params import BeamSearch
+
+__all__ = ["require", "check_call", "check_beam", "check_fork"]
+
+_MEANING = {
+    "full_logits": "next-token logits over the whole vocabulary",
+    "prefix_sharing": "rows sharing the KV of a common prefix",
+    "batching": "several rows in one forward",
+}
+
+
+def require(model: BaseModel, capability: str, feature: str, instead: str) -> None:
+    """Raise `CapabilityError` when ``model``'s engine lacks ``capability``, which
+    ``feature`` needs; ``instead`` says what to do."""
+    caps = model.backend.capabilities
+    have = {"full_logits": caps.full_logits, "prefix_sharing": caps.prefix_sharing,
+            "batching": caps.batching}[capability]
+    if not have:
+        raise CapabilityError(
+            f"the engine capability {capability!r} ({_MEANING[capability]}) is needed for "
+            f"{feature}, and the {caps.name!r} engine of {model.name!r} does not have it; "
+            f"{instead}", capability, caps.name)
+
+
+def check_fork(model: BaseModel, samples: int) -> None:
+    """Forking each batch item into ``samples`` samples."""
+    require(model, "prefix_sharing", f"num_samples={samples} (forking a state into samples)",
+            "fork on an engine that shares prefixes (hf, llama.cpp), or make one call per "
+            "sample")
+
+
+def check_call(model: BaseModel, rows: int, hooks: bool) -> None:
+    """A decoding call over ``rows`` rows, with or without hooks."""
+    if hooks:
+        require(model, "full_logits", "hooks",
+                "leave hooks= out, or run the call on an engine with full logits "
+                "(hf, llama.cpp)")
+    if rows > 1:
+        require(model, "batching", f"a call over {rows} rows",
+                "make one call per prompt and sample, or use an engine that batches "
+                "(hf, llama.cpp)")
+
+
+def check_beam(model: BaseModel, params: BeamSearch) -> None:
+    """Beam search of ``params.width`` beams per batch item (its rows are checked as any
+    call's are)."""
+    instead = "use ss.greedy() or ss.multinomial(...), or an engine with it (hf, llama.cpp)"
+    require(model, "full_logits", "beam search", instead)
+    require(model, "prefix_sharing", "beam search", instead)
+    if params.width > 1:
+        require(model, "batching", f"beam search of width {params.width}", instead)
