@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from benchmarks.harness import best_of, report
+from benchmarks.harness import best_of, interleaved, report
 from seqstate.engine import RowRequest, generate
 from seqstate.sampling import greedy, multinomial
 
@@ -49,10 +49,12 @@ def main(model) -> None:
     rows = [prompt, *[model.encode(f"Describe the colour number {i} of the rainbow in detail.") for i in range(7)]]
     # greedy must stay identical to the hand loop while it is measured
     assert list(ours(model, one, NEW)[0].tokens[len(prompt):])[:8] == hand_loop(model, prompt, 8)
-    t_hand = best_of(lambda: hand_loop(model, prompt, NEW))
-    t_hf = best_of(lambda: hf_generate(model, one, NEW, do_sample=False))
+    # timed in turns, so that other processes and the worker thread's OpenMP team (which,
+    # while it lives, changes how every thread's team waits) weigh on each alike
     # min_new_tokens is not ours: EOS would end rows early, so budget the same tokens via max_new
-    t_ours = best_of(lambda: ours(model, one, NEW))
+    t_hand, t_hf, t_ours = interleaved([lambda: hand_loop(model, prompt, NEW),
+                                        lambda: hf_generate(model, one, NEW, do_sample=False),
+                                        lambda: ours(model, one, NEW)], repeat=5)
     report(f"greedy decode, batch 1, {NEW} new tokens", [
         ("hand loop (HF forward + DynamicCache)", t_hand, ""),
         ("HF generate", t_hf, ""),

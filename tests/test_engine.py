@@ -158,3 +158,39 @@ def test_stop_string_across_tokens(tiny):
     assert res.finish_reason == "stop"
     assert res.text == text[: text.index(stop)]
     assert tiny.vocab.decode(res.tokens[res.start:]) == text[: text.index(stop) + len(stop)]
+
+
+def test_a_small_forward_runs_on_one_thread_and_restores_the_callers_team(tiny):
+    """Decoding a short row runs torch single-threaded (waking a team costs more than its
+    attention saves); longer rows keep torch's threads; the calling thread ends as it began."""
+    from seqstate.backends.hf.backend import SERIAL_COLUMNS
+
+    seen = []                         # torch's threads inside each decode forward
+    hook = tiny.hf_model.register_forward_pre_hook(
+        lambda module, args: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    short, long = tiny.encode("Hi there"), [100 + i % 500 for i in range(SERIAL_COLUMNS + 8)]
+    try:
+        with torch.inference_mode():
+            for rows in ([short], [long], [short, short]):
+                batch = tiny.backend.batch()
+                slots = batch.add(rows, 4)              # the prefill runs the decoder only
+                batch.forward(slots, [r[-1] for r in rows])
+                batch.close()
+    finally:
+        hook.remove()
+    assert seen == [1, before, 1]
+    assert torch.get_num_threads() == before
+
+
+def test_work_counters_are_declared_once(tiny):
+    """The backend's counters and the model's stats take their names from `WorkCounters`."""
+    import dataclasses
+
+    from seqstate.backends.base import WorkCounters
+    from seqstate.models.base import Stats
+
+    names = [f.name for f in dataclasses.fields(WorkCounters)]
+    assert list(tiny.backend.counters) == names
+    assert issubclass(Stats, WorkCounters)
+    assert set(names) < set(dataclasses.asdict(tiny.stats))

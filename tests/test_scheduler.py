@@ -4,12 +4,14 @@ import asyncio
 import gc
 import random
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 import seqstate as ss
 from seqstate.backends.base import CacheFullError
 from seqstate.engine.scheduler import _Run
+from seqstate.engine.scoring import BackendJob
 from seqstate.hooks import Rollback
 
 TOPICS = ["rain", "cats", "tea", "maps", "bees", "jazz", "salt", "wind"]
@@ -282,3 +284,52 @@ def test_an_older_newcomer_that_finds_the_cache_full_pauses_newer_jobs():
     run.waiting = [old]
     run._admit()
     assert run.running == [old] and run.waiting == [new] and batch.released == [0]
+
+
+def test_scoring_and_next_logits_are_jobs_on_the_worker(tiny, monkeypatch):
+    """Option scoring and next-token logits run on the scheduler's worker between decode
+    steps (no lock of their own), and what runs beside them changes nothing."""
+    prefixes = [tiny.encode("Is the sky blue?"), tiny.encode("Is grass red? Answer")]
+    options = [tiny.encode(" yes"), tiny.encode(" no"), tiny.encode(" maybe not")]
+    direct = tiny.backend.score(prefixes, options)
+    on = []
+    real_score = tiny.backend.score
+    monkeypatch.setattr(tiny.backend, "score",
+                        lambda p, c: on.append(threading.current_thread().name) or real_score(p, c))
+
+    def story(i):
+        return ss.text(tiny)(f"Story {i}:", max_tokens=12).token_ids
+
+    alone = [story(i) for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        stories = [pool.submit(story, i) for i in range(4)]
+        scored = ss.engine.score(tiny, prefixes, options)
+        logits = ss.engine.next_logits(tiny, prefixes)
+        assert [s.result() for s in stories] == alone
+    assert on and all(name.startswith("seqstate-scheduler") for name in on)
+    for prefix, got, want in zip(prefixes, scored, direct):
+        for option, (lps, handle), (ref, _) in zip(options, got, want):
+            assert lps == pytest.approx(ref, abs=1e-4)
+            assert handle.length == len(prefix) + len(option) - 1
+    for row, got in zip(prefixes, logits):
+        assert (got - tiny.full_logits(row)[-1]).abs().max().item() < 1e-3
+
+
+def test_a_scoring_job_that_finds_the_cache_full_waits_for_a_job_to_leave():
+    room = []
+
+    def work(backend):
+        if not room:
+            raise CacheFullError("full now")
+        return "scored"
+
+    old, scoring = _Rows([[1, 2]], 0), BackendJob(work)
+    scoring.order = 1
+    run = _admitted(_FakeBatch(), [old, scoring])
+    assert run.running == [old] and run.waiting == [scoring] and run.blocked
+    assert scoring.outbox.empty()
+    room.append(True)
+    run._end(old, RuntimeError("gone"))
+    run._admit()
+    assert scoring.outbox.get_nowait() == ("done", "scored")
+    assert not run.running and not run.waiting

@@ -15,6 +15,7 @@ Handles
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
@@ -23,7 +24,8 @@ import torch
 
 from seqstate.errors import ContextOverflowError
 
-__all__ = ["Capabilities", "Handle", "Batch", "Backend", "CacheFullError"]
+__all__ = ["Capabilities", "WorkCounters", "Handle", "Batch", "Backend", "CacheFullError",
+           "openmp", "single_threaded_torch"]
 
 
 class CacheFullError(ContextOverflowError):
@@ -66,6 +68,24 @@ class Capabilities:
     exact: bool = False
     max_rows: int | None = None
     own_threads: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkCounters:
+    """The work counters every engine keeps, declared once: a backend's ``counters`` is a dict
+    of these names (`zeros`), and the model's ``stats`` are these plus its KV accounting."""
+
+    prefill_tokens: int = 0          # tokens whose KV was computed in a prefill forward
+    decode_tokens: int = 0           # tokens fed one-per-row in decode steps
+    cached_tokens_reused: int = 0    # tokens whose KV came from the store instead of a forward
+    forward_calls: int = 0
+    draft_tokens_accepted: int = 0   # speculation: drafted tokens the sampler chose too
+    draft_tokens_rejected: int = 0   # drafted tokens fed but not chosen (their KV dropped)
+
+    @classmethod
+    def zeros(cls) -> dict[str, int]:
+        """A new backend's ``counters``: every counter at 0."""
+        return {field.name: 0 for field in dataclasses.fields(cls)}
 
 
 @runtime_checkable
@@ -138,9 +158,11 @@ class Batch(Protocol):
 
 @runtime_checkable
 class Backend(Protocol):
-    """An engine behind the generators.  One per model; calls are serialised by the caller."""
+    """An engine behind the generators.  One per model; calls are serialised by the caller
+    (the model's scheduler).  An engine subclasses it for the default ``count``."""
 
     capabilities: Capabilities
+    counters: dict[str, int]          # `WorkCounters.zeros()`, counted up by `count`
 
     def batch(self) -> Batch:
         """A new, empty batch."""
@@ -155,3 +177,27 @@ class Backend(Protocol):
     def fresh_logits(self, tokens: Sequence[int]) -> torch.Tensor:
         """Logits ``(T, V)`` of a fresh evaluation of ``tokens`` sharing no stored KV."""
         ...
+
+    def count(self, **deltas: int) -> None:
+        """Add to the work counters (the model's ``stats``)."""
+        for name, value in deltas.items():
+            self.counters[name] += value
+
+
+def openmp() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch computes with (its ``omp_*`` functions), or None without one."""
+    lib = ctypes.CDLL(None)
+    return lib if hasattr(lib, "omp_set_num_threads") else None
+
+
+def single_threaded_torch() -> None:
+    """Make torch's ops on the calling thread alone single-threaded.
+
+    ``torch.set_num_threads`` would change every thread started later too; OpenMP's own
+    ``omp_set_num_threads`` sets the calling thread's team size only.  torch sets it once per
+    thread, lazily, so that happens first.  A torch without OpenMP is left as it is.
+    """
+    torch.get_num_threads()
+    omp = openmp()
+    if omp is not None:
+        omp.omp_set_num_threads(1)

@@ -1,8 +1,9 @@
 """The batched decoding engine: prefill of uncached tails, then an in-place decode loop."""
 
-from seqstate.engine.decode import generate, next_logits, run
+from seqstate.engine.decode import generate, run
 from seqstate.engine.rows import RowRequest, RowResult
+from seqstate.engine.scoring import next_logits, score
 from seqstate.engine.step import StepEvent, Stepper
 
-__all__ = ["generate", "run", "next_logits", "RowRequest", "RowResult", "Stepper",
+__all__ = ["generate", "run", "next_logits", "score", "RowRequest", "RowResult", "Stepper",
            "StepEvent"]

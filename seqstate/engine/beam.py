@@ -16,7 +16,7 @@ import torch
 
 from seqstate.engine.decode import FIRST_CAPACITY, commit
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
-from seqstate.engine.scheduler import Job
+from seqstate.engine.job import Job
 from seqstate.engine.step import allowed_mask
 from seqstate.sampling.params import BeamSearch
 

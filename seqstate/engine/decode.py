@@ -8,25 +8,14 @@ from typing import Any
 import torch
 
 from seqstate.backends.base import CacheFullError
+from seqstate.engine.job import Job
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
-from seqstate.engine.scheduler import Job
 from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS, Stepper
 from seqstate.sampling.params import Sampler
 
-__all__ = ["generate", "run", "next_logits", "commit", "DecodeJob", "FIRST_CAPACITY"]
+__all__ = ["generate", "run", "commit", "DecodeJob", "FIRST_CAPACITY"]
 
 FIRST_CAPACITY = 64    # tokens a slot is prepared to grow by before the backend grows it
-
-
-def next_logits(model, rows: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Next-token logits (B, V) of each row, through stored KV (prefilling what is missing)."""
-    with model.lock, torch.inference_mode():
-        batch = model.backend.batch()
-        try:
-            slots = batch.add(rows, 1)
-            return batch.forward(slots, [r[-1] for r in rows])
-        finally:
-            batch.close()
 
 
 def commit(batch, slot: int, row: LiveRow) -> RowResult:
@@ -151,9 +140,6 @@ def generate(model, requests: Sequence[RowRequest], sampler: Sampler,
              max_backtracks: int = DEFAULT_MAX_BACKTRACKS, speculate: bool = True
              ) -> list[RowResult]:
     """Continue every row to completion; see `run()`."""
-    steps = run(model, requests, sampler, rng, hooks, max_backtracks, speculate=speculate)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as stop:
-            return stop.value
+    job = DecodeJob(model, requests, sampler, rng, hooks, max_backtracks, lambda rows: (),
+                    speculate)
+    return model.scheduler.run(job)

@@ -105,13 +105,17 @@ class Stepper:
         live = self.live if rows is None else list(rows)
         if logits.shape[0] != len(live):
             raise ValueError(f"expected logits for {len(live)} live rows, got {logits.shape[0]}")
-        if not torch.isfinite(logits).any(dim=-1).all():
+        # a finite peak means a finite logit: the whole check only where a row's peak is not
+        if (not torch.isfinite(logits.amax(dim=-1)).all()                               # (B,)
+                and not torch.isfinite(logits).any(dim=-1).all()):
             raise ValueError("a row's logits are all NaN/inf; check the model or the custom step")
         logits = logits.float()
         # 1. constrain: disallowed tokens get -inf; a row with nothing allowed is a dead end
         logprobs = logits.log_softmax(dim=-1)                                           # (B, V)
         masks = [allowed_mask(self.rows[i], logits.shape[-1]) for i in live]
-        masked = logits.clone()
+        # hooks' resampling bans write into `masked`; with neither hooks nor masks it is `logits`
+        constrained = self.hooks or any(m is not None for m in masks)
+        masked = logits.clone() if constrained else logits
         events = []
         for j, (i, m) in enumerate(zip(live, masks)):
             if m is not None:

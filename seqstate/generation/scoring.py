@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from seqstate.call import Call
 from seqstate.constraints import compile as compiled
+from seqstate.engine.scoring import score
 from seqstate.generation import capabilities, prompts
 from seqstate.generation.generator import Generator
 from seqstate.generation.prompts import Prompt
@@ -36,8 +35,7 @@ class ScoredChoice(Generator):
             capabilities.check_fork(self.model, state.n_samples)
         prompts.requests(state, Call(max_tokens=max(map(len, self.option_ids))),
                          [None] * len(state.rows), constrained=False)
-        with self.model.lock, torch.inference_mode():
-            scored = self.model.backend.score([r.tokens for r in state.rows], self.option_ids)
+        scored = score(self.model, [r.tokens for r in state.rows], self.option_ids)
         rows = []
         for row, per_option in zip(state.rows, scored):
             scores = {t: (sum(lps) / len(lps) if self.length_normalize else sum(lps))

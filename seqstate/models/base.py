@@ -7,18 +7,19 @@ import threading
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from seqstate.backends.base import Backend, WorkCounters
 from seqstate.engine.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from seqstate.backends.base import Backend
     from seqstate.detokenize import TokenVocabulary
 
 __all__ = ["BaseModel", "Stats"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Stats:
-    """A snapshot of a model's work counters and KV accounting.
+class Stats(WorkCounters):
+    """A snapshot of a model's work counters (`seqstate.backends.base.WorkCounters`) and KV
+    accounting.
 
     Subtract two snapshots to see what one call did.
 
@@ -33,16 +34,10 @@ class Stats:
     True
     """
 
-    prefill_tokens: int = 0          # tokens whose KV was computed in a prefill forward
-    decode_tokens: int = 0           # tokens fed one-per-row in decode steps
-    cached_tokens_reused: int = 0    # tokens whose KV came from the store instead of a forward
-    forward_calls: int = 0
     kv_bytes_held: int = 0           # bytes of KV pinned by live states
     kv_bytes_cached: int = 0         # bytes of every stored KV (held + evictable)
     evictions: int = 0               # stored KV dropped under the budget
     segments: int = 0
-    draft_tokens_accepted: int = 0   # speculation: drafted tokens the sampler chose too
-    draft_tokens_rejected: int = 0   # drafted tokens fed but not chosen (their KV dropped)
 
     def __sub__(self, other: Stats) -> Stats:
         return Stats(**{f.name: getattr(self, f.name) - getattr(other, f.name)

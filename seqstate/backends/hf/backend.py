@@ -13,15 +13,24 @@ from typing import Any
 
 import torch
 
-from seqstate.backends.base import Capabilities
+from seqstate.backends.base import Backend, Capabilities, WorkCounters, openmp
 from seqstate.backends.hf.batch import HFBatch
 from seqstate.backends.hf.prefill import ensure_kv, run_tails
 from seqstate.backends.hf.store import DEFAULT_BUDGET_BYTES, KVHandle, KVStore
 
-__all__ = ["HFBackend"]
+__all__ = ["HFBackend", "SERIAL_TOKENS", "SERIAL_COLUMNS"]
+
+# A forward this small runs on one thread: it feeds at most SERIAL_TOKENS tokens over at most
+# SERIAL_COLUMNS (rows x KV columns).  Its only parallel regions are attention over a few
+# short rows (~20 us a layer on one thread here), about what handing half to a second thread
+# costs.  And once a second thread (the caller's) has run torch, each keeps an OpenMP team,
+# and libgomp, then managing more threads than CPUs, lets idle team members sleep instead of
+# spin: the worker's decode paid a wake-up for each of its ~2 regions a layer.
+SERIAL_TOKENS = 4
+SERIAL_COLUMNS = 512
 
 
-class HFBackend:
+class HFBackend(Backend):
     """The engine behind a `seqstate.models.Model` (see ``seqstate.backends.base.Backend``).
 
     Parameters
@@ -56,13 +65,13 @@ class HFBackend:
         self.hf_model = hf_model
         self.pad_token_id = pad_token_id
         self.store = KVStore(kv_budget_bytes)
-        self.counters = dict(prefill_tokens=0, decode_tokens=0, cached_tokens_reused=0,
-                             forward_calls=0, draft_tokens_accepted=0, draft_tokens_rejected=0)
+        self.counters = WorkCounters.zeros()
         cfg = hf_model.config.get_text_config(decoder=True)
         self.num_layers = cfg.num_hidden_layers
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self._decoder = hf_model.get_decoder()
+        self._omp = openmp()
 
     # -- the network --------------------------------------------------------------------------
     @property
@@ -90,13 +99,24 @@ class HFBackend:
         self.count(forward_calls=1)
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids, past_key_values=cache, use_cache=True)
-        if not logits:
-            self._decoder(**kwargs)                                # prefill: skip the LM head
-            return None
-        if logits == "all":
-            return self.hf_model(**kwargs, logits_to_keep=0).logits.float()   # (B, T, V)
-        out = self.hf_model(**kwargs, logits_to_keep=1)
-        return out.logits[:, -1, :].float()                       # (B, V)
+        rows, new = input_ids.shape
+        serial = (self._omp is not None and rows * new <= SERIAL_TOKENS
+                  and rows * (cache.get_seq_length() + new) <= SERIAL_COLUMNS)
+        if serial:
+            torch.get_num_threads()               # torch sizes this thread's team lazily: first
+            threads = self._omp.omp_get_max_threads()
+            self._omp.omp_set_num_threads(1)      # this thread's team only, until restored
+        try:
+            if not logits:
+                self._decoder(**kwargs)                            # prefill: skip the LM head
+                return None
+            if logits == "all":
+                return self.hf_model(**kwargs, logits_to_keep=0).logits.float()   # (B, T, V)
+            out = self.hf_model(**kwargs, logits_to_keep=1)
+            return out.logits[:, -1, :].float()                   # (B, V)
+        finally:
+            if serial:
+                self._omp.omp_set_num_threads(threads)
 
     @torch.inference_mode()
     def fresh_logits(self, tokens: Sequence[int]) -> torch.Tensor:
@@ -106,11 +126,6 @@ class HFBackend:
         return out.logits[0].float()
 
     # -- counters -----------------------------------------------------------------------------
-    def count(self, **deltas: int) -> None:
-        """Add to the work counters (the model's ``stats``)."""
-        for k, v in deltas.items():
-            self.counters[k] += v
-
     def kv_stats(self) -> dict[str, int]:
         s = self.store
         with s.lock:

@@ -148,7 +148,10 @@ class HFBatch:
     def forward(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         fed = {self.row_of[s]: [t] for s, t in zip(slots, tokens)}
         logits = self._feed(fed, 1, "last")                                              # (B, V)
-        return logits[[self.row_of[s] for s in slots]]                                  # (N, V)
+        rows = list(fed)
+        if rows == list(range(logits.shape[0])):        # every buffer row, in order: no copy
+            return logits
+        return logits[rows]                                                             # (N, V)
 
     def extend(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         fed = {self.row_of[s]: list(f) for s, f in zip(slots, feeds)}
@@ -169,14 +172,14 @@ class HFBatch:
                 self.mask[r, self.junk[r]] = 0
                 self.junk[r].clear()
                 self.padded = True
-        pad = backend.pad_token_id
+        pad, device = backend.pad_token_id, backend.device
         ids = torch.tensor([(fed.get(r, []) + [pad] * k)[:k] for r in range(buf.rows)])  # (B, k)
         start = torch.tensor([self.bases[r].length + len(self.cols[r]) for r in range(buf.rows)])
         pos = start[:, None] + torch.arange(k)                                            # (B, k)
         self.mask[:, col: col + k] = 1
-        step_mask = self.mask[:, : col + k].to(backend.device) if self.padded else None
-        logits = backend.forward(ids.to(backend.device), step_mask, pos.to(backend.device),
-                                 as_cache(buf), logits=True if which == "last" else "all")
+        step_mask = self.mask[:, : col + k].to(device) if self.padded else None
+        logits = backend.forward(ids.to(device), step_mask, pos.to(device), as_cache(buf),
+                                 logits=True if which == "last" else "all")
         buf.length += k
         for r in range(buf.rows):
             n = len(fed.get(r, ()))

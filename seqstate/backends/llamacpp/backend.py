@@ -23,7 +23,7 @@ Exactness and batch independence (SmolLM2-135M Q4_1, x86 CPU, llama-cpp-python 0
       depends on what else is cached.  The KV types (``native.KV_TYPES``: K f16, V q8_0) keep
       the per-row kernel for every batch; without flash attention the softmax and V sums also
       depend on cell placement.  Measured with the shipped model, five prompts prefilled in one
-      ubatch against each alone: per-row kernel 0.0, tiled (K and V f16) up to 0.89, no flash
+      ubatch against each alone: per-row kernel 0.0, tiled (K and V f16) up to 1.05, no flash
       attention up to 0.52 max abs logit difference;
     - the cell layout.  Summing in cell order equals a fresh evaluation only while each row's
       cells lie in position order.  llama.cpp reuses the lowest free cells, so a freed cell

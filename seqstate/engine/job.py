@@ -1,0 +1,84 @@
+"""A generator call as the scheduler sees it: a `Job` adds rows to the running batch, feeds
+them every step and consumes their logits; its caller reads only its outbox."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["Job"]
+
+
+class Job:
+    """One generator call inside the scheduler.  Subclasses give ``needs``, ``joined``,
+    ``wants`` and ``step``, and may give ``pause``.  A job that needs no rows of the batch
+    (option scoring) sets ``joins = False`` and gives `run` instead.
+
+    Everything a job does runs on the worker thread; the caller only reads its outbox.
+    """
+
+    joins = True            # False: the worker runs the whole job at once, between two steps
+
+    def __init__(self) -> None:
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancelled = False
+        self.slots: list[int] = []
+        self.order = 0          # arrival order: the newest jobs pause first when the cache is full
+        self.worker: threading.Thread | None = None     # the worker thread holding this job
+
+    def needs(self) -> tuple[list[Sequence[int]], int]:
+        """``(rows, extra)``: the rows to add to the batch (as they are now: a paused job
+        asks again for its live rows) and the tokens each may grow by."""
+        raise NotImplementedError
+
+    def joined(self, slots: list[int]) -> None:
+        """This job's rows are in the batch, in ``slots`` (one per row of `needs()`)."""
+        raise NotImplementedError
+
+    def start(self, batch) -> None:
+        """Join ``batch`` alone: add this job's rows (prefilling through the store)."""
+        rows, extra = self.needs()
+        self.slots = list(batch.add(rows, extra))
+        self.joined(list(self.slots))
+
+    def wants(self) -> tuple[list[int], list[list[int]]]:
+        """``(slots, feeds)`` to feed this step: one or more tokens per slot."""
+        raise NotImplementedError
+
+    def step(self, batch, logits: list[torch.Tensor]) -> bool:
+        """Consume this job's logits, ``(len(feeds[j]), V)`` per slot; True when finished."""
+        raise NotImplementedError
+
+    def run(self, backend) -> None:
+        """The whole job at once, on the worker between two steps (jobs with ``joins = False``);
+        it calls `finish` with its result.  `CacheFullError` leaves it waiting for a job to
+        leave, as a newcomer's prefill does."""
+        raise NotImplementedError
+
+    def pause(self, batch) -> None:
+        """Leave ``batch`` for now (its KV cache is full): give every slot back and keep the
+        rest, so that `needs()` later asks for the rows as they are."""
+        self._release(batch)
+
+    # -- talking to the caller ----------------------------------------------------------------
+    def deliver(self, items: Sequence[Any]) -> None:
+        if items:
+            self.outbox.put(("items", items))
+
+    def finish(self, result: Any) -> None:
+        self.outbox.put(("done", result))
+
+    def fail(self, batch, exc: BaseException) -> None:
+        try:
+            self._release(batch)
+        finally:
+            self.outbox.put(("error", exc))
+
+    def _release(self, batch) -> None:
+        slots, self.slots = self.slots, []
+        for slot in slots:
+            batch.release(slot)
