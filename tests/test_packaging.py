@@ -17,7 +17,8 @@ def pins() -> dict[str, str]:
 def declared() -> dict[str, str]:
     """Each dependency's declared lower bound (extras included)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    specs = list(project["dependencies"]) + project["optional-dependencies"]["llamacpp"]
+    extras = project["optional-dependencies"]
+    specs = list(project["dependencies"]) + extras["llamacpp"] + extras["lm-eval"]
     bounds = {}
     for spec in specs:
         m = re.match(r"([A-Za-z0-9_.-]+)\s*>=\s*([^,\s]+)", spec)

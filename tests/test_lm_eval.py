@@ -1,0 +1,260 @@
+"""`seqstate.lm_eval`: the lm-evaluation-harness model against lm-eval's own HF backend.
+
+The same `Instance`s go through ``lm_eval.models.huggingface.HFLM`` and `SeqStateLM` on the
+same weights: log-likelihoods within 1e-4, identical greedy flags, identical accuracy.
+"""
+
+import gzip
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+import torch  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+
+import seqstate as ss  # noqa: E402
+from seqstate.lm_eval import SeqStateLM  # noqa: E402
+from conftest import tolerance  # noqa: E402
+
+ARC = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "arc_easy"
+if not ARC.is_dir():                                    # a checkout beside shared/ or inside it
+    ARC = pathlib.Path(__file__).resolve().parents[1] / "shared" / "data" / "arc_easy"
+
+
+def arc(name: str, questions: int, unconditional: int = 0) -> list[Instance]:
+    """The ARC-Easy requests of the first ``questions`` questions (and the bare-"Answer:"
+    requests of the first ``unconditional``) as lm-eval `Instance`s."""
+    path = ARC / f"{name}.requests.jsonl.gz"
+    if not path.is_file():
+        pytest.skip(f"{path} is not there (shared/ data)")
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    keep = [r for r in rows if r["doc_id"] < questions
+            or 1_000_000 <= r["doc_id"] < 1_000_000 + unconditional]
+    return [Instance("loglikelihood", r["doc"] | {"doc_id": r["doc_id"]},
+                     (r["request"]["context"], r["request"]["continuation"]), r["idx"])
+            for r in keep]
+
+
+def accuracy(instances: list[Instance], results: list[tuple[float, bool]]) -> float:
+    """Share of questions whose gold answer has the highest summed log-prob."""
+    best: dict[int, tuple[float, int, int]] = {}
+    for inst, (logprob, _) in zip(instances, results):
+        doc = inst.doc
+        if doc["doc_id"] < 1_000_000 and logprob > best.get(doc["doc_id"], (-math.inf,))[0]:
+            best[doc["doc_id"]] = (logprob, inst.idx, doc["gold"])
+    return sum(idx == gold for _, idx, gold in best.values()) / len(best)
+
+
+def hf_backend(model, **options) -> HFLM:
+    """lm-eval's own HF backend on the same weights and tokenizer (batched, logits cache on)."""
+    return HFLM(pretrained=model.hf_model, tokenizer=model.hf_tokenizer,
+                batch_size=options.pop("batch_size", 8), **options)
+
+
+def assert_parity(instances, expected, got):
+    assert len(got) == len(expected) == len(instances)
+    worst = max(abs(a - b) for (a, _), (b, _) in zip(expected, got))
+    assert worst <= 1e-4, f"max |delta loglik| {worst:.2e}"
+    assert [g for _, g in got] == [g for _, g in expected]
+    assert accuracy(instances, got) == accuracy(instances, expected)
+
+
+def test_tokenisation_is_lm_evals(tiny):
+    lm, hf = SeqStateLM(model=tiny), hf_backend(tiny)
+    for context, continuation in [("Question: why?\nAnswer:", " because"),
+                                  ("Trailing space ", "moves"), ("a", "b c d")]:
+        assert lm._encode_pair(context, continuation) == hf._encode_pair(context, continuation)
+    assert (lm.prefix_token_id, lm.eot_token_id) == (hf.prefix_token_id, hf.eot_token_id)
+    assert lm.max_length == hf.max_length == tiny.context_length
+
+
+def test_arc_parity_on_the_tiny_model(tiny):
+    """80 rc pairs (20 questions) with their unconditional twins and 40 mc pairs, shuffled
+    together: every pair as lm-eval's HF backend scores it."""
+    instances = arc("rc_5shot", 20, unconditional=5) + arc("mc_5shot", 10)
+    instances = instances[::2] + instances[1::2]           # request order is not context order
+    expected = hf_backend(tiny).loglikelihood(instances, disable_tqdm=True)
+    got = SeqStateLM(model=tiny).loglikelihood(instances, disable_tqdm=True)
+    assert_parity(instances, expected, got)
+
+
+@pytest.mark.real
+def test_arc_parity_on_the_default_model(real):
+    instances = arc("rc_5shot", 3, unconditional=2) + arc("mc_5shot", 6)
+    expected = hf_backend(real).loglikelihood(instances, disable_tqdm=True)
+    got = SeqStateLM(model=real).loglikelihood(instances, disable_tqdm=True)
+    assert_parity(instances, expected, got)
+    assert any(g for _, g in got) and not all(g for _, g in got)   # both flags occur here
+
+
+def test_empty_context_and_empty_answer(tiny):
+    """An empty context stands for the prefix token (BOS) as in lm-eval; an empty answer
+    scores 0 without a model call."""
+    instances = [Instance("loglikelihood", {}, ("", "Hello world"), 0),
+                 Instance("loglikelihood", {}, ("", " spaced"), 0)]
+    expected = hf_backend(tiny).loglikelihood(instances, disable_tqdm=True)
+    lm = SeqStateLM(model=tiny)
+    got = lm.loglikelihood(instances, disable_tqdm=True)
+    assert max(abs(a - b) for (a, _), (b, _) in zip(expected, got)) <= 1e-4
+    assert lm._loglikelihood_tokens([(None, [1, 2], [])], disable_tqdm=True) == [(0.0, True)]
+
+
+TEXTS = ["The quick brown fox jumps over the lazy dog. " * 6,
+         "Lorem ipsum dolor sit amet, consectetur adipiscing elit.",
+         "One"]
+
+
+@pytest.mark.parametrize("max_length", [32, None])
+def test_rolling_matches_lm_eval(tiny, max_length):
+    """Disjoint rolling windows (several per text at max_length 32) summed per text."""
+    instances = [Instance("loglikelihood_rolling", {}, (t,), 0) for t in TEXTS]
+    expected = hf_backend(tiny, max_length=max_length).loglikelihood_rolling(
+        instances, disable_tqdm=True)
+    got = SeqStateLM(model=tiny, max_length=max_length).loglikelihood_rolling(
+        instances, disable_tqdm=True)
+    assert max(abs(a - b) for a, b in zip(expected, got)) <= 1e-4 * len(TEXTS[0])
+
+
+def test_left_truncation_matches_lm_eval(tiny):
+    """A context longer than max_length loses its left end, as in lm-eval."""
+    instances = [Instance("loglikelihood", {}, ("word " * 40 + "end", " of it"), 0)]
+    expected = hf_backend(tiny, max_length=16).loglikelihood(instances, disable_tqdm=True)
+    got = SeqStateLM(model=tiny, max_length=16).loglikelihood(instances, disable_tqdm=True)
+    assert abs(expected[0][0] - got[0][0]) <= 1e-4
+
+
+def generation_requests(stops):
+    return [Instance("generate_until", {}, (prompt, {"until": until, "max_gen_toks": n,
+                                                     "do_sample": False}), 0)
+            for prompt, until, n in stops]
+
+
+def test_generate_until_matches_lm_eval(tiny):
+    """Greedy continuations equal lm-eval's HF backend's (batch 1: no padding), stop strings
+    cut as it cuts them."""
+    requests = generation_requests([("Once upon a time", ["paint"], 12),    # inside a token
+                                    ("The capital of France is", ["Legend", "zz"], 20),
+                                    ("1, 2, 3,", ["\n"], 16),
+                                    ("Hello", [], 5)])
+    expected = hf_backend(tiny, batch_size=1).generate_until(requests, disable_tqdm=True)
+    got = SeqStateLM(model=tiny).generate_until(requests, disable_tqdm=True)
+    assert got == expected
+    assert any(len(g) < len(ss.text(tiny)(r.args[0], max_tokens=r.args[1]["max_gen_toks"]).value)
+               for g, r in zip(got, requests))                 # a stop string did cut one
+
+
+@pytest.mark.real
+def test_generate_until_on_the_default_model(real):
+    requests = generation_requests([("Question: What is the capital of France?\nAnswer:",
+                                     ["\n"], 24),
+                                    ("List three colours: red,", ["."], 16)])
+    expected = hf_backend(real, batch_size=1).generate_until(requests, disable_tqdm=True)
+    assert SeqStateLM(model=real).generate_until(requests, disable_tqdm=True) == expected
+
+
+@pytest.mark.llamacpp
+def test_llamacpp_within_its_noise(llama):
+    """On llama.cpp: each pair within the engine's noise of its own fresh evaluation
+    (``full_logits``), greedy flags and accuracy equal.  mc answers are one token, so one
+    fresh evaluation of the context serves its four options."""
+    instances = arc("rc_5shot", 1) + arc("mc_5shot", 4)
+    lm = SeqStateLM(model=llama)
+    got = lm.loglikelihood(instances, disable_tqdm=True)
+    fresh = {}
+    expected = []
+    for inst in instances:
+        context, continuation = lm._encode_pair(*inst.args)
+        key = tuple(context + continuation[:-1])
+        if key not in fresh:
+            fresh[key] = llama.full_logits(list(key)).float().log_softmax(-1)[len(context) - 1:]
+        logprobs = fresh[key][-len(continuation):]
+        target = torch.tensor(continuation)
+        expected.append((float(logprobs.gather(1, target[:, None]).sum()),
+                         bool((logprobs.argmax(-1) == target).all())))
+        bound = 2 * tolerance(llama) * len(continuation) + 1e-4
+        assert abs(expected[-1][0] - got[len(expected) - 1][0]) <= bound
+    assert [g for _, g in got] == [g for _, g in expected]
+    assert accuracy(instances, got) == accuracy(instances, expected)
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ss.ArgumentError, match="engine"):
+        SeqStateLM(engine="vllm")
+    with pytest.raises(ss.ArgumentError, match="dtype"):
+        SeqStateLM(dtype="float33")
+    with pytest.raises(ss.ArgumentError, match="path"):
+        SeqStateLM(model=object(), path="x")
+
+
+TASK = """task: tiny_arc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {docs}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{gold}}}}"
+target_delimiter: " "
+metric_list:
+  - metric: acc
+"""
+
+
+def test_command_line_end_to_end(tiny, tmp_path):
+    """``seqstate-lm-eval --model seqstate --model_args path=...`` on a local task (offline):
+    each logged log-likelihood equals lm-eval's HF backend on the same requests."""
+    docs = {}
+    for inst in arc("rc_5shot", 4):
+        docs[inst.doc["doc_id"]] = {"question": inst.doc["query"], "choices": inst.doc["choices"],
+                                    "gold": inst.doc["gold"]}
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs.values()))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "tiny_arc.yaml").write_text(TASK.format(docs=tmp_path / "docs.jsonl"))
+    tiny.hf_model.save_pretrained(tmp_path / "model")
+    tiny.hf_tokenizer.save_pretrained(tmp_path / "model")
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                        "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "ds"),
+                        "TOKENIZERS_PARALLELISM": "false"}
+    script = pathlib.Path(sys.executable).parent / "seqstate-lm-eval"
+    run = subprocess.run(
+        [str(script), "--model", "seqstate", "--model_args", f"path={tmp_path / 'model'}",
+         "--tasks", "tiny_arc", "--include_path", str(tmp_path / "tasks"),
+         "--output_path", str(tmp_path / "out"), "--log_samples"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "tiny_arc" in run.stdout and "acc" in run.stdout
+    samples = [json.loads(line) for path in (tmp_path / "out").rglob("samples_tiny_arc_*.jsonl")
+               for line in path.read_text().splitlines()]
+    assert len(samples) == len(docs)
+    instances = [Instance("loglikelihood", {}, tuple(arg.values()) if isinstance(arg, dict)
+                          else tuple(arg), 0)
+                 for s in samples for arg in s["arguments"].values()]
+    logged = [float(r[0][0]) for s in samples for r in s["resps"]]
+    expected = hf_backend(tiny).loglikelihood(instances, disable_tqdm=True)
+    assert max(abs(a - b) for (a, _), b in zip(expected, logged)) <= 1e-4
+
+
+def test_python_dash_m_registers_the_model(tmp_path):
+    """``python -m seqstate.lm_eval`` is the same command line, with ``seqstate`` known."""
+    code = ("import runpy, sys; sys.argv = ['x', 'run', '--help']; "
+            "runpy.run_module('seqstate.lm_eval', run_name='__main__')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "--model" in run.stdout
+    check = ("import seqstate.lm_eval, lm_eval.api.registry as r; "
+             "print(r.get_model('seqstate').__name__, r.get_model('hf').__name__)")
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                         timeout=120, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    assert out.stdout.split() == ["SeqStateLM", "HFLM"], out.stderr[-2000:]
