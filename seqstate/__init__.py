@@ -9,10 +9,11 @@ from seqstate.errors import (ArgumentError, BatchMismatch, CapabilityError, Chat
 from seqstate.generation import (Generator, cfg, choice, continuous, final_state, json, regex,
                                  text)
 from seqstate.sampling import beam_search, greedy, multinomial
+from seqstate.scores import Scores
 from seqstate.state import SequenceState, from_tokens
 
 __all__ = [
-    "SequenceState", "from_tokens", "Generator", "text", "choice", "regex", "json", "cfg",
+    "SequenceState", "from_tokens", "Scores", "Generator", "text", "choice", "regex", "json", "cfg",
     "continuous", "final_state", "chat", "run_batch", "BatchError", "greedy", "multinomial", "beam_search",
     "models", "backends", "engine", "kv", "sampling", "constraints", "grammars", "hooks", "viz",
     "SeqStateError", "SlicingError", "BatchMismatch", "SampleMismatch", "ModelMismatch",

@@ -169,21 +169,13 @@ def _open(model: Any, row: Row) -> Row:
     return _append(model, row, [(opened, None)], chat.messages, True)
 
 
-def _broadcast(state: SequenceState, content: Any) -> SequenceState:
-    """A one-item batch becomes one batch item per text of a list (the conversation so far
-    is shared: its rows are references, its KV stored once)."""
-    if state.n_batch == 1 and isinstance(content, (list, tuple)) and len(content) > 1:
-        return state._with_rows(list(state.rows) * len(content), batch=len(content))
-    return state
-
-
 def add_turn(state: SequenceState, role: str, content: str | Sequence[str]) -> SequenceState:
     """``state.system(...)`` / ``state.user(...)``: a new turn on every row.  A list gives
     one text per batch item: a one-item conversation branches into one batch item per text
     (each keeping its samples); a larger batch takes one text per batch item or per row."""
     if role not in ROLES:
         raise ChatTemplateError(f"role must be one of {ROLES}, got {role!r}")
-    state = _broadcast(state, content)
+    state = state._branched(content)
     texts = _texts(state, content, role)
     return state._with_rows([_turn(state.model, r, role, t) for r, t in zip(state.rows, texts)])
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from seqstate import scores
 from seqstate.errors import BatchMismatch, ModelMismatch, SlicingError
 from seqstate.indexing import is_prefix, normalize, token_positions
 from seqstate.rows import Chat, Row, Span, not_a_conversation
@@ -210,6 +211,52 @@ class SequenceState:
         first 40 characters and re-encodes the rest."""
         return _Chars(self)
 
+    # -- log-probs ----------------------------------------------------------------------------
+    def score(self, continuations: Any, *, store: bool = False) -> scores.Scores:
+        """Teacher-forced log-probs of ``continuations`` after every row.
+
+        ``continuations`` is one list shared by every row, or one list per batch item (of
+        any lengths: each question its own answers).  An item is a ``str`` (encoded as text
+        appended to a state is: no special tokens) or a list of token ids (taken verbatim).
+        Each row's KV is reused from the store or computed once and stored; its last
+        position's distribution scores every continuation's first token; the continuations'
+        KV is scratch, not stored, unless ``store=True``.
+
+        Returns
+        -------
+        Scores
+            ``tokens``, ``logprobs`` and ``greedy`` nested ``[batch][sample][option]``;
+            ``sums`` and ``means`` as float64 ``(batch, samples, options)`` tensors.
+
+        Examples
+        --------
+        >>> import seqstate as ss
+        >>> model = ss.models.testing.tiny()
+        >>> questions = ss.from_tokens(model, [model.encode("2+2="), model.encode("Sky:")])
+        >>> sc = questions.score([[" 4", " 5"], [" blue", " red", " wet"]])
+        >>> sc.sums.shape, bool(sc.sums[0, 0, 2].isnan())
+        (torch.Size([2, 1, 3]), True)
+        """
+        return scores.score(self.model, [r.tokens for r in self.rows], self.shape, continuations,
+                            store=store)
+
+    def next_logprobs(self) -> torch.Tensor:
+        """Float32 log-softmax of the next token after every row, ``(batch, samples, vocab)``.
+
+        Each row's KV is reused from the store or computed once and stored (an empty row
+        means the start token, as for generators).
+
+        Examples
+        --------
+        >>> import seqstate as ss
+        >>> model = ss.models.testing.tiny()
+        >>> names = ss.from_tokens(model, [model.encode("When Mary and John went,")])
+        >>> lp = (names + [" John gave it to", " Mary gave it to"]).next_logprobs()
+        >>> lp.shape[:2], bool(lp.exp().sum(-1).sub(1).abs().max() < 1e-4)
+        (torch.Size([2, 1]), True)
+        """
+        return scores.next_logprobs(self.model, [r.tokens for r in self.rows], self.shape)
+
     # -- concatenation ------------------------------------------------------------------------
     def _encode_each(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.model.encode(t) for t in texts]
@@ -221,9 +268,19 @@ class SequenceState:
         if isinstance(other, SequenceState):
             return _concat(self, other)
         if isinstance(other, (list, tuple)) and all(isinstance(t, str) for t in other):
-            per_row = self._per_row_texts(other, "strings")
-            return self._with_rows([r.extended(t) for r, t in zip(self.rows, self._encode_each(per_row))])
+            state = self._branched(other)
+            per_row = state._per_row_texts(other, "strings")
+            return state._with_rows([r.extended(t) for r, t in
+                                     zip(state.rows, state._encode_each(per_row))])
         return NotImplemented
+
+    def _branched(self, texts: Sequence[Any]) -> SequenceState:
+        """A one-item state as one batch item per text of ``texts`` (when there are several;
+        the rows are shared, their KV stored once); any other state as it is.  The rule of
+        ``state + [...]`` and ``state.user([...])``."""
+        if self.n_batch == 1 and isinstance(texts, (list, tuple)) and len(texts) > 1:
+            return self._with_rows(list(self.rows) * len(texts), batch=len(texts))
+        return self
 
     def _per_row_texts(self, texts: Sequence[str], what: str) -> list[str]:
         """One text per row from one per batch item or one per row."""

@@ -26,7 +26,7 @@ LAYERS = [
     ("backends", ["seqstate.backends"]),
     ("engine", ["seqstate.engine"]),
     ("models", ["seqstate.models"]),
-    ("values", ["seqstate.rows", "seqstate.state"]),
+    ("values", ["seqstate.rows", "seqstate.scores", "seqstate.state"]),
     ("generation", ["seqstate.call", "seqstate.generation", "seqstate.conversation"]),
     ("public surface", ["seqstate", "seqstate.batch", "seqstate.viz", "seqstate.demo",
                         "seqstate.__main__"]),
@@ -180,7 +180,7 @@ def test_no_upward_imports():
 
 def test_state_does_not_import_the_chat_layer():
     assert {m for m, _ in GRAPH["seqstate.state"]} <= {
-        "seqstate.errors", "seqstate.indexing", "seqstate.rows"}
+        "seqstate.errors", "seqstate.indexing", "seqstate.rows", "seqstate.scores"}
 
 
 def test_generation_is_a_package_of_small_modules():

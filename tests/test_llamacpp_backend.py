@@ -17,7 +17,7 @@ import torch
 from seqstate.backends.base import Backend, Batch, Handle
 import seqstate as ss
 from seqstate.backends.llamacpp import LlamaCppBackend
-from seqstate.engine import next_logits
+from seqstate.engine import next_logprobs
 from seqstate.errors import ArgumentError, ContextOverflowError, ModelNotAvailable
 
 pytestmark = pytest.mark.llamacpp
@@ -286,12 +286,19 @@ def test_score_matches_fresh(tok):
     prefix = tok.encode("Q: Is the sky blue?\nA:")
     options = [tok.encode(w) for w in (" Yes, it is.", " No.", " Maybe", " Sometimes it is",
                                        " Never", " Always")]
-    result = backend.score([prefix], options)                      # more options than sequences
-    for (lps, handle), opt in zip(result[0], options):
+    cells = backend.store.cells
+    scratch = backend.score([(prefix, opt) for opt in options])    # more options than sequences
+    assert backend.store.cells == len(prefix)                      # only the prefix was stored
+    stored = backend.score([(prefix, opt) for opt in options], store=True)
+    for got, kept, opt in zip(scratch, stored, options):
         fresh = backend.fresh_logits(prefix + opt).log_softmax(-1)
         want = [fresh[len(prefix) - 1 + i, t].item() for i, t in enumerate(opt)]
-        assert max(abs(a - b) for a, b in zip(lps, want)) < EXACT
-        assert handle.length == len(prefix) + len(opt) - 1
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want)) < EXACT
+        assert got.logprobs == kept.logprobs and got.handle is None
+        assert kept.handle.length == len(prefix) + len(opt) - 1
+        assert got.argmax == tuple(bool(fresh[len(prefix) - 1 + i].argmax() == t)
+                                   for i, t in enumerate(opt))
+    assert cells == 0
     backend.verify()
 
 
@@ -376,10 +383,10 @@ def test_prompts_batched_equal_each_alone(even_model):
     assert together.token_ids == [a.token_ids[0] for a in alone]
     # first-token logits: all five rows in one decode against each row alone and fresh
     rows = [m.encode_prompt(p) for p in EVEN]
-    batched = next_logits(m, rows)
+    batched = next_logprobs(m, rows)
     for j, row in enumerate(rows):
-        assert _maxdiff(batched[j], next_logits(m, [row])[0]) == 0.0
-        assert _maxdiff(batched[j], m.backend.fresh_logits(row)[-1]) == 0.0
+        assert _maxdiff(batched[j], next_logprobs(m, [row])[0]) == 0.0
+        assert _maxdiff(batched[j], m.backend.fresh_logits(row)[-1].log_softmax(-1)) == 0.0
     m.store.verify()
 
 

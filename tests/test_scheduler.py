@@ -286,16 +286,17 @@ def test_an_older_newcomer_that_finds_the_cache_full_pauses_newer_jobs():
     assert run.running == [old] and run.waiting == [new] and batch.released == [0]
 
 
-def test_scoring_and_next_logits_are_jobs_on_the_worker(tiny, monkeypatch):
-    """Option scoring and next-token logits run on the scheduler's worker between decode
-    steps (no lock of their own), and what runs beside them changes nothing."""
+def test_scoring_and_next_logprobs_are_jobs_on_the_worker(tiny, monkeypatch):
+    """Scoring and next-token log-probs run on the scheduler's worker between decode steps
+    (no lock of their own), and what runs beside them changes nothing."""
     prefixes = [tiny.encode("Is the sky blue?"), tiny.encode("Is grass red? Answer")]
     options = [tiny.encode(" yes"), tiny.encode(" no"), tiny.encode(" maybe not")]
-    direct = tiny.backend.score(prefixes, options)
+    pairs = [(p, o) for p in prefixes for o in options]
+    direct = tiny.backend.score(pairs)
     on = []
     real_score = tiny.backend.score
-    monkeypatch.setattr(tiny.backend, "score",
-                        lambda p, c: on.append(threading.current_thread().name) or real_score(p, c))
+    monkeypatch.setattr(tiny.backend, "score", lambda p, **kw: on.append(
+        threading.current_thread().name) or real_score(p, **kw))
 
     def story(i):
         return ss.text(tiny)(f"Story {i}:", max_tokens=12).token_ids
@@ -303,16 +304,14 @@ def test_scoring_and_next_logits_are_jobs_on_the_worker(tiny, monkeypatch):
     alone = [story(i) for i in range(4)]
     with ThreadPoolExecutor(4) as pool:
         stories = [pool.submit(story, i) for i in range(4)]
-        scored = ss.engine.score(tiny, prefixes, options)
-        logits = ss.engine.next_logits(tiny, prefixes)
+        scored = ss.engine.score(tiny, pairs)
+        logprobs = ss.engine.next_logprobs(tiny, prefixes)
         assert [s.result() for s in stories] == alone
     assert on and all(name.startswith("seqstate-scheduler") for name in on)
-    for prefix, got, want in zip(prefixes, scored, direct):
-        for option, (lps, handle), (ref, _) in zip(options, got, want):
-            assert lps == pytest.approx(ref, abs=1e-4)
-            assert handle.length == len(prefix) + len(option) - 1
-    for row, got in zip(prefixes, logits):
-        assert (got - tiny.full_logits(row)[-1]).abs().max().item() < 1e-3
+    for got, want in zip(scored, direct):
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    for row, got in zip(prefixes, logprobs):
+        assert (got - tiny.full_logits(row)[-1].log_softmax(-1)).abs().max().item() < 1e-3
 
 
 def test_a_scoring_job_that_finds_the_cache_full_waits_for_a_job_to_leave():

@@ -22,9 +22,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from seqstate.errors import ContextOverflowError
+from seqstate.errors import CapabilityError, ContextOverflowError
 
-__all__ = ["Capabilities", "WorkCounters", "Handle", "Batch", "Backend", "CacheFullError",
+__all__ = ["Capabilities", "WorkCounters", "Handle", "Scored", "Batch", "Backend", "CacheFullError",
            "openmp", "single_threaded_torch"]
 
 
@@ -69,6 +69,23 @@ class Capabilities:
     max_rows: int | None = None
     own_threads: bool = False
 
+    def require(self, capability: str, feature: str, instead: str, model: str) -> None:
+        """Raise `CapabilityError` when this engine lacks ``capability`` (``"full_logits"``,
+        ``"prefix_sharing"`` or ``"batching"``), which ``feature`` of ``model`` needs;
+        ``instead`` says what to do."""
+        if not getattr(self, capability):
+            raise CapabilityError(
+                f"the engine capability {capability!r} ({_MEANING[capability]}) is needed for "
+                f"{feature}, and the {self.name!r} engine of {model!r} does not have it; "
+                f"{instead}", capability, self.name)
+
+
+_MEANING = {
+    "full_logits": "next-token logits over the whole vocabulary",
+    "prefix_sharing": "rows sharing the KV of a common prefix",
+    "batching": "several rows in one forward",
+}
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkCounters:
@@ -98,6 +115,31 @@ class Handle(Protocol):
     def prefix(self, n: int) -> Handle:
         """A handle on the first ``n`` tokens (clipped to ``length``)."""
         ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Scored:
+    """One continuation scored after one prefix.
+
+    Attributes
+    ----------
+    logprobs
+        the log-prob of each continuation token at its position.
+    argmax
+        per token: it is the most likely token at its position.
+    handle
+        with ``store=True``: a pinned handle on ``prefix + continuation[:-1]``'s stored KV;
+        else None.
+    """
+
+    logprobs: tuple[float, ...]
+    argmax: tuple[bool, ...]
+    handle: Handle | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """Every token is the argmax at its position (greedy decoding would produce it)."""
+        return all(self.argmax)
 
 
 @runtime_checkable
@@ -163,15 +205,25 @@ class Backend(Protocol):
 
     capabilities: Capabilities
     counters: dict[str, int]          # `WorkCounters.zeros()`, counted up by `count`
+    vocab_size: int                   # logits per position
 
     def batch(self) -> Batch:
         """A new, empty batch."""
         ...
 
-    def score(self, prefixes: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]
-              ) -> list[list[tuple[list[float], Handle]]]:
-        """Log-probs of every continuation's tokens after every prefix, with a handle on
-        ``prefix + continuation[:-1]``; ``result[p][c]``."""
+    def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+              store: bool = False) -> list[Scored]:
+        """Teacher-forced log-probs of each ``(prefix, continuation)`` pair's continuation
+        tokens, and whether each is the argmax at its position.  Each distinct prefix is
+        computed once (its KV stored, as a row's) and its last position serves every
+        continuation's first token; continuation KV is scratch unless ``store`` (then each
+        result holds a pinned handle on ``prefix + continuation[:-1]``).  Memory is bounded
+        by a token budget, not by the number of pairs (`seqstate.backends.scoring`)."""
+        ...
+
+    def next_logprobs(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Float32 log-softmax ``(len(rows), V)`` of the next token after each row, whose KV
+        is stored whole."""
         ...
 
     def fresh_logits(self, tokens: Sequence[int]) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 from seqstate.engine.decode import generate, run
 from seqstate.engine.rows import RowRequest, RowResult
-from seqstate.engine.scoring import next_logits, score
+from seqstate.engine.scoring import next_logprobs, score
 from seqstate.engine.step import StepEvent, Stepper
 
-__all__ = ["generate", "run", "next_logits", "score", "RowRequest", "RowResult", "Stepper",
+__all__ = ["generate", "run", "next_logprobs", "score", "RowRequest", "RowResult", "Stepper",
            "StepEvent"]

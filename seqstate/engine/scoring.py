@@ -1,4 +1,5 @@
-"""Work that decodes nothing, as scheduler jobs: teacher-forced scoring and next-token logits.
+"""Work that decodes nothing, as scheduler jobs: teacher-forced scoring and next-token
+log-probs.
 
 Each runs whole on the worker between two decode steps, so it is serialised with every other
 call's steps through the scheduler, never beside it under a lock of its own.
@@ -11,10 +12,10 @@ from typing import Any
 
 import torch
 
-from seqstate.backends.base import Handle
+from seqstate.backends.base import Scored
 from seqstate.engine.job import Job
 
-__all__ = ["score", "next_logits", "BackendJob"]
+__all__ = ["score", "next_logprobs", "BackendJob"]
 
 
 class BackendJob(Job):
@@ -30,30 +31,25 @@ class BackendJob(Job):
         self.finish(self.work(backend))
 
 
-def score(model, prefixes: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]
-          ) -> list[list[tuple[list[float], Handle]]]:
-    """Log-probs of every continuation's tokens after every prefix, with a handle on
-    ``prefix + continuation[:-1]``; ``result[p][c]`` (see ``Backend.score``).
+def score(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, store: bool = False
+          ) -> list[Scored]:
+    """Teacher-forced log-probs of each ``(prefix, continuation)`` pair, on the worker (see
+    ``Backend.score``).
 
     Examples
     --------
     >>> import seqstate as ss
     >>> model = ss.models.testing.tiny()
-    >>> options = [model.encode(" yes"), model.encode(" no")]
-    >>> [[(yes, _), (no, _)]] = ss.engine.score(model, [model.encode("Is it?")], options)
-    >>> len(yes) == len(options[0])
-    True
+    >>> prompt = model.encode("Is it?")
+    >>> yes, no = ss.engine.score(model, [(prompt, model.encode(" yes")),
+    ...                                   (prompt, model.encode(" no"))])
+    >>> len(yes.logprobs) == len(model.encode(" yes")), yes.handle is None
+    (True, True)
     """
-    return model.scheduler.run(BackendJob(lambda backend: backend.score(prefixes, continuations)))
+    return model.scheduler.run(BackendJob(lambda backend: backend.score(pairs, store=store)))
 
 
-def next_logits(model, rows: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Next-token logits (B, V) of each row, through stored KV (prefilling what is missing)."""
-    def work(backend) -> torch.Tensor:
-        batch = backend.batch()
-        try:
-            slots = batch.add(rows, 1)
-            return batch.forward(slots, [r[-1] for r in rows])
-        finally:
-            batch.close()
-    return model.scheduler.run(BackendJob(work))
+def next_logprobs(model, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Float32 log-softmax ``(len(rows), V)`` of the next token after each row, on the worker
+    (each row's KV stored; see ``Backend.next_logprobs``)."""
+    return model.scheduler.run(BackendJob(lambda backend: backend.next_logprobs(rows)))

@@ -5,7 +5,7 @@ Which feature needs which `Capabilities` field (the mapping the field docs state
 =================  ==============================================================
 full_logits        hooks (a `SampleEvent` carries the whole next-token distribution,
                    and a resample draws from it again); beam search (every beam is
-                   expanded over the whole vocabulary)
+                   expanded over the whole vocabulary); ``state.next_logprobs()``
 prefix_sharing     forking: ``num_samples=k > 1`` on a one-sample state (the samples
                    share their prompt's KV); beam search (beams fork as they split)
 batching           a decoding call over more than one row (several prompts or
@@ -13,36 +13,21 @@ batching           a decoding call over more than one row (several prompts or
 =================  ==============================================================
 
 Free text, constraints, samplers and their penalties, stop strings, token healing and
-option scoring (``choice(..., method="score")``) need none of them: an engine runs them
-where its logits live.
+scoring (``state.score``, ``choice(..., method="score")``) need none of them: an engine
+runs them where its logits live.
 """
 
 from __future__ import annotations
 
-from seqstate.errors import CapabilityError
 from seqstate.models.base import BaseModel
 from seqstate.sampling.params import BeamSearch
 
 __all__ = ["require", "check_call", "check_beam", "check_fork"]
 
-_MEANING = {
-    "full_logits": "next-token logits over the whole vocabulary",
-    "prefix_sharing": "rows sharing the KV of a common prefix",
-    "batching": "several rows in one forward",
-}
-
-
 def require(model: BaseModel, capability: str, feature: str, instead: str) -> None:
     """Raise `CapabilityError` when ``model``'s engine lacks ``capability``, which
     ``feature`` needs; ``instead`` says what to do."""
-    caps = model.backend.capabilities
-    have = {"full_logits": caps.full_logits, "prefix_sharing": caps.prefix_sharing,
-            "batching": caps.batching}[capability]
-    if not have:
-        raise CapabilityError(
-            f"the engine capability {capability!r} ({_MEANING[capability]}) is needed for "
-            f"{feature}, and the {caps.name!r} engine of {model.name!r} does not have it; "
-            f"{instead}", capability, caps.name)
+    model.backend.capabilities.require(capability, feature, instead, model.name)
 
 
 def check_fork(model: BaseModel, samples: int) -> None:

@@ -35,17 +35,25 @@ class ScoredChoice(Generator):
             capabilities.check_fork(self.model, state.n_samples)
         prompts.requests(state, Call(max_tokens=max(map(len, self.option_ids))),
                          [None] * len(state.rows), constrained=False)
-        scored = score(self.model, [r.tokens for r in state.rows], self.option_ids)
+        # every option scored without storing its KV; then only the winners are stored
+        scored = score(self.model, [(r.tokens, o) for r in state.rows for o in self.option_ids])
+        n = len(self.option_ids)
+        best, totals = [], []
+        for i in range(len(state.rows)):
+            per = scored[i * n: (i + 1) * n]
+            total = {t: (sum(s.logprobs) / len(s.logprobs) if self.length_normalize
+                         else sum(s.logprobs)) for t, s in zip(self.texts, per)}
+            best.append(max(range(n), key=lambda j: total[self.texts[j]]))
+            totals.append((total, per))
+        kept = score(self.model, [(r.tokens, self.option_ids[j])
+                                  for r, j in zip(state.rows, best)], store=True)
         rows = []
-        for row, per_option in zip(state.rows, scored):
-            scores = {t: (sum(lps) / len(lps) if self.length_normalize else sum(lps))
-                      for t, (lps, _) in zip(self.texts, per_option)}
-            best = max(range(len(self.texts)), key=lambda j: scores[self.texts[j]])
-            lps, handle = per_option[best]
+        for row, j, (total, per), stored in zip(state.rows, best, totals, kept):
+            lps = per[j].logprobs
             span = Span(len(row.tokens), len(row.tokens) + len(lps), self, "scored",
-                        self.values[best], scores, call.name)
-            rows.append(Row(row.tokens + tuple(self.option_ids[best]), handle,
-                            row.logprobs + tuple(lps), row.cursors + (None,) * len(lps),
+                        self.values[j], total, call.name)
+            rows.append(Row(row.tokens + tuple(self.option_ids[j]), stored.handle,
+                            row.logprobs + lps, row.cursors + (None,) * len(lps),
                             row.spans + (span,), row.chat))
         return SequenceState(self.model, tuple(rows), state.n_batch, state.n_samples)
         yield  # a generator function, like Generator._stream: scoring streams nothing

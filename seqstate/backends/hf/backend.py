@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from seqstate.backends.base import Backend, Capabilities, WorkCounters, openmp
+from seqstate.backends.base import Backend, Capabilities, Scored, WorkCounters, openmp
 from seqstate.backends.hf.batch import HFBatch
-from seqstate.backends.hf.prefill import ensure_kv, run_tails
-from seqstate.backends.hf.store import DEFAULT_BUDGET_BYTES, KVHandle, KVStore
+from seqstate.backends.hf.store import DEFAULT_BUDGET_BYTES, KVStore
+from seqstate.backends.scoring import next_logprobs, score_pairs
 
 __all__ = ["HFBackend", "SERIAL_TOKENS", "SERIAL_COLUMNS"]
 
@@ -80,6 +80,11 @@ class HFBackend(Backend):
         return int(getattr(cfg, "max_position_embeddings", None) or 2048)
 
     @property
+    def vocab_size(self) -> int:
+        """Logits per position (the LM head's rows)."""
+        return int(self.hf_model.get_output_embeddings().weight.shape[0])
+
+    @property
     def device(self) -> torch.device:
         return self.hf_model.device
 
@@ -137,20 +142,11 @@ class HFBackend(Backend):
         """A new, empty batch."""
         return HFBatch(self)
 
-    def score(self, prefixes: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]
-              ) -> list[list[tuple[list[float], KVHandle]]]:
-        """All (prefix, continuation) pairs in one batched forward over the continuations."""
-        bases = ensure_kv(self, prefixes)
-        rows = [(tuple(p) + tuple(c[:-1]), h) for p, h in zip(prefixes, bases) for c in continuations]
-        handles, logits = run_tails(self, rows, logits=True)                        # (B, T, V)
-        logprobs = logits.log_softmax(dim=-1)
-        width = logprobs.shape[1]
-        out, k = [], 0
-        for _ in prefixes:
-            per = []
-            for c in continuations:
-                cols = range(width - len(c), width)             # the tail is prefix[-1] + c[:-1]
-                per.append(([logprobs[k, col, tok].item() for col, tok in zip(cols, c)], handles[k]))
-                k += 1
-            out.append(per)
-        return out
+    def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+              store: bool = False) -> list[Scored]:
+        """See ``Backend.score``: `seqstate.backends.scoring` over this engine's batches."""
+        return score_pairs(self, pairs, store=store)
+
+    def next_logprobs(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """See ``Backend.next_logprobs``."""
+        return next_logprobs(self, rows)

@@ -27,12 +27,11 @@ PREFILL_CHUNK = 1024          # longest tail run in one forward (longer tails ru
 PREFILL_BATCH_TOKENS = 8192   # rows x (past + tail) columns per forward
 
 
-def run_tails(backend: HFBackend, rows: Sequence[tuple[Sequence[int], KVHandle]], *,
-              logits: bool = False) -> tuple[list[KVHandle], torch.Tensor | None]:
+def run_tails(backend: HFBackend, rows: Sequence[tuple[Sequence[int], KVHandle]]
+              ) -> list[KVHandle]:
     """One batched forward over the next chunk of each row's uncached tail; stores the KV.
 
-    Returns handles on the new KV (the caller holds them so eviction cannot drop it mid-call)
-    and, with ``logits=True``, the logits (B, T, V) of every tail position, left-padded.
+    Returns handles on the new KV (the caller holds them so eviction cannot drop it mid-call).
     """
     store = backend.store
     tails = [tokens[h.length: h.length + PREFILL_CHUNK] for tokens, h in rows]
@@ -52,12 +51,11 @@ def run_tails(backend: HFBackend, rows: Sequence[tuple[Sequence[int], KVHandle]]
     buf.length = past
     padded = not bool(mask.all())
     device = backend.device
-    out = backend.forward(ids.to(device), mask.to(device) if padded else None, pos.to(device),
-                          as_cache(buf), logits="all" if logits else False)
+    backend.forward(ids.to(device), mask.to(device) if padded else None, pos.to(device),
+                    as_cache(buf), logits=False)
     backend.count(prefill_tokens=sum(len(t) for t in tails))
-    handles = [store.extend(tokens, h.length, buf.take(i, past + width - len(tail), past + width))
-               for i, ((tokens, h), tail) in enumerate(zip(rows, tails))]
-    return handles, out
+    return [store.extend(tokens, h.length, buf.take(i, past + width - len(tail), past + width))
+            for i, ((tokens, h), tail) in enumerate(zip(rows, tails))]
 
 
 def _run_packed(backend: HFBackend, todo: list[tuple[tuple[int, ...], KVHandle]]) -> list[KVHandle]:
@@ -70,10 +68,10 @@ def _run_packed(backend: HFBackend, todo: list[tuple[tuple[int, ...], KVHandle]]
         cols = max(h.length for _, h in grown) + min(
             max(len(t) - h.length for t, h in grown), PREFILL_CHUNK)
         if batch and len(grown) * cols > PREFILL_BATCH_TOKENS:
-            stored.extend(run_tails(backend, batch)[0])
+            stored.extend(run_tails(backend, batch))
             batch = []
         batch.append(row)
-    stored.extend(run_tails(backend, batch)[0])
+    stored.extend(run_tails(backend, batch))
     return stored
 
 

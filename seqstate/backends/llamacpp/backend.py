@@ -55,9 +55,10 @@ from pathlib import Path
 import llama_cpp as ll
 import torch
 
-from seqstate.backends.base import CacheFullError, Capabilities
+from seqstate.backends.base import CacheFullError, Capabilities, Scored
 from seqstate.backends.llamacpp.store import SeqHandle, SeqStore
 from seqstate.backends.prefixes import common_prefix, ensure_stored
+from seqstate.backends.scoring import next_logprobs, score_pairs
 from seqstate.errors import ArgumentError, ContextOverflowError
 from seqstate.backends.llamacpp.batch import LlamaCppBatch
 from seqstate.backends.llamacpp.native import (GARBAGE_SEQ, RESERVED_SEQS, SCRATCH_SEQ, Llama,
@@ -245,24 +246,18 @@ class LlamaCppBackend:
 
     # -- prefill ------------------------------------------------------------------------------
     def _run_tails(self, todo: list[tuple[tuple[int, ...], SeqHandle]]) -> list[SeqHandle]:
-        """Compute every row's uncached tail (rows packed into shared decodes); store them."""
-        seqs, _ = self._feed_tails([t for t, _ in todo], [h for _, h in todo], logits=False)
-        return [self.store.insert(t, len(t), seq) for (t, _), seq in zip(todo, seqs)]
-
-    def _feed_tails(self, targets: Sequence[Sequence[int]], handles: Sequence[SeqHandle], *,
-                    logits: bool) -> tuple[list[int], torch.Tensor | None]:
-        """A sequence per handle (its KV shared), fed the rest of its target in packed
-        decodes; the sequences, and the logits of every fed token when asked.  On failure
-        the sequences go back to the store."""
+        """Compute every row's uncached tail (rows packed into shared decodes, a sequence per
+        row sharing its stored cells); store them.  On failure the sequences go back."""
+        targets, handles = [t for t, _ in todo], [h for _, h in todo]
         seqs = self._fork(handles)
         try:
             tokens, positions, owners = _tails(targets, [h.length for h in handles], seqs)
-            out = self._run(tokens, positions, owners, [logits] * len(tokens))
+            self._run(tokens, positions, owners, [False] * len(tokens))
         except BaseException:
             self._release(seqs)
             raise
         self.count(prefill_tokens=len(tokens))
-        return seqs, out
+        return [self.store.insert(t, len(t), seq) for t, seq in zip(targets, seqs)]
 
     def _fork(self, handles: Sequence[SeqHandle]) -> list[int]:
         """A new sequence per handle, holding its KV (shared cells)."""
@@ -319,37 +314,17 @@ class LlamaCppBackend:
         self._batches.add(batch)
         return batch
 
-    def score(self, prefixes: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]
-              ) -> list[list[tuple[list[float], SeqHandle]]]:
-        """Log-probs of every continuation after every prefix, in packed decodes over the
-        continuations only; ``result[p][c] = (log-probs, handle on prefix + c[:-1])``."""
-        if any(len(c) == 0 for c in continuations):
-            raise ValueError("every continuation needs at least one token")
+    def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+              store: bool = False) -> list[Scored]:
+        """See ``Backend.score``: `seqstate.backends.scoring` over this engine's batches
+        (continuations on sequences sharing their prefix's cells, freed unless stored)."""
         with self.guarded():
-            longest = max((len(c) for c in continuations), default=0)
-            bases = self._ensure_kv(prefixes, longest)
-            rows = [(tuple(p) + tuple(c[:-1]), h, c) for p, h in zip(prefixes, bases)
-                    for c in continuations]
-            scored: list[tuple[list[float], SeqHandle]] = []
-            while len(scored) < len(rows):
-                # as many rows as there are free sequences: each becomes a stored path in turn
-                group = rows[len(scored): len(scored) + max(1, self.store.free_seqs)]
-                scored.extend(self._score_rows(group))
-            n = len(continuations)
-            return [scored[i * n: (i + 1) * n] for i in range(len(prefixes))]
+            return score_pairs(self, pairs, store=store)
 
-    def _score_rows(self, rows: list[tuple[tuple[int, ...], SeqHandle, Sequence[int]]]
-                    ) -> list[tuple[list[float], SeqHandle]]:
-        # each tail is prefix[-1] + c[:-1]: its logits score c
-        seqs, logits = self._feed_tails([r for r, _, _ in rows], [h for _, h, _ in rows],
-                                        logits=True)
-        logprobs = logits.log_softmax(-1)                                          # (T, V)
-        out, at = [], 0
-        for (row, _, c), seq in zip(rows, seqs):
-            lps = logprobs[at + torch.arange(len(c)), torch.tensor(list(c))].tolist()
-            at += len(c)
-            out.append((lps, self.store.insert(row, len(row), seq)))
-        return out
+    def next_logprobs(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """See ``Backend.next_logprobs``."""
+        with self.guarded():
+            return next_logprobs(self, rows)
 
     def fresh_logits(self, tokens: Sequence[int]) -> torch.Tensor:
         """Logits ``(T, V)`` of ``tokens`` evaluated from scratch on a private sequence."""

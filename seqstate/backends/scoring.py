@@ -1,0 +1,182 @@
+"""Teacher-forced scoring over any engine's `Batch`: every prefix computed once, every
+continuation fed once, memory bounded by a token budget whatever the number of pairs.
+
+Two phases, both in groups that fit the budget:
+
+1. **Prefixes.**  Each distinct prefix joins a batch (its ``prefix[:-1]`` found in the store
+   or prefilled and stored, shared prefixes once), its last token is fed, and that one
+   distribution serves two things: `next_logprobs` returns it, and `score` reads every
+   continuation's *first* token from it (no continuation re-feeds the prefix's last token).
+   The whole prefix is then stored: it is the rows' own KV, which later calls reuse.
+2. **Continuations.**  Each distinct (prefix, continuation) pair with more than one token
+   joins a batch borrowing its prefix's stored KV and is fed ``continuation[:-1]`` (in chunks,
+   so a tail of any length is exact), the log-softmax read at the continuation's positions
+   only.  That KV is scratch: the slot is released, nothing is stored, unless asked.
+
+The budget counts columns of KV a group holds (rows x their longest prefix + feed, as the
+HF engine's right-aligned buffer does) and positions of logits alive at once (rows x fed
+tokens x vocabulary, in bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from seqstate.backends.base import Handle, Scored
+
+__all__ = ["score_pairs", "next_logprobs", "last_logprobs", "SCORE_BATCH_TOKENS", "LOGITS_BYTES"]
+
+SCORE_BATCH_TOKENS = 8192      # KV columns (rows x longest row) one scoring group holds
+LOGITS_BYTES = 1 << 28         # float32 logits alive at once: 256 MiB (1,365 positions of 49k)
+CHUNK = 1024                   # most tokens fed to one row in one forward
+
+
+def _groups(items: Sequence[Any], cost: Callable[[list[Any]], tuple[int, int]],
+            max_rows: int | None) -> Iterator[list[Any]]:
+    """Consecutive groups of ``items`` whose ``cost(group)`` = (KV columns, logits bytes)
+    stays within the budget (a single item always forms a group)."""
+    group: list[Any] = []
+    for item in items:
+        grown = group + [item]
+        columns, logits = cost(grown)
+        if group and (columns > SCORE_BATCH_TOKENS or logits > LOGITS_BYTES
+                      or (max_rows is not None and len(grown) > max_rows)):
+            yield group
+            grown = [item]
+        group = grown
+    if group:
+        yield group
+
+
+def _max_rows(backend: Any) -> int | None:
+    """Rows per group: a llama.cpp row needs its own sequence and its prefix a carrier."""
+    rows = backend.capabilities.max_rows
+    return None if rows is None else max(1, (rows + 1) // 2)
+
+
+def last_logprobs(backend: Any, prefixes: Sequence[Sequence[int]],
+                  consume: Callable[[int, torch.Tensor], None], *, store: bool = True
+                  ) -> list[Handle | None]:
+    """Feed every prefix's last token once; ``consume(i, logprobs)`` gets the float32
+    log-softmax ``(V,)`` of the next token after ``prefixes[i]``.  With ``store``, every prefix
+    is stored whole and pinned handles on them are returned (else Nones)."""
+    if any(len(p) == 0 for p in prefixes):
+        raise ValueError("every prefix needs at least one token")
+    vocab_bytes = 4 * backend.vocab_size
+    order = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i]))
+    handles: list[Handle | None] = [None] * len(prefixes)
+
+    def cost(group: list[int]) -> tuple[int, int]:
+        return len(group) * len(prefixes[group[-1]]), len(group) * vocab_bytes
+
+    for group in _groups(order, cost, _max_rows(backend)):
+        rows = [list(prefixes[i]) for i in group]
+        batch = backend.batch()
+        try:
+            slots = batch.add(rows, 1)
+            logits = batch.forward(slots, [r[-1] for r in rows])               # (G, V)
+            for k, i in enumerate(group):
+                consume(i, logits[k].log_softmax(-1))
+            del logits
+            if store:
+                for slot, i, row in zip(slots, group, rows):
+                    handles[i] = batch.commit(slot, row, len(row))
+        finally:
+            batch.close()
+    return handles
+
+
+def next_logprobs(backend: Any, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Float32 log-softmax ``(len(rows), V)`` after each row (identical rows computed once);
+    each row's KV is stored whole."""
+    distinct = list(dict.fromkeys(tuple(r) for r in rows))
+    out = torch.empty(len(distinct), backend.vocab_size)
+
+    def keep(i: int, logprobs: torch.Tensor) -> None:
+        out[i] = logprobs
+
+    last_logprobs(backend, distinct, keep)
+    where = {row: i for i, row in enumerate(distinct)}
+    return out[[where[tuple(r)] for r in rows]]
+
+
+def score_pairs(backend: Any, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+                store: bool = False) -> list[Scored]:
+    """Teacher-forced log-probs of every ``(prefix, continuation)`` pair (see the module).
+
+    Identical pairs are computed once; each distinct prefix's last token is fed once.  With
+    ``store=True`` each ``prefix + continuation[:-1]`` is stored and its handle returned.
+    """
+    for prefix, cont in pairs:
+        if not prefix or not cont:
+            raise ValueError("every prefix and every continuation needs at least one token")
+    keys = [(tuple(p), tuple(c)) for p, c in pairs]
+    distinct = list(dict.fromkeys(keys))
+    prefixes = list(dict.fromkeys(p for p, _ in distinct))
+    index = {p: i for i, p in enumerate(prefixes)}
+    by_prefix: list[list[int]] = [[] for _ in prefixes]
+    for j, (p, _) in enumerate(distinct):
+        by_prefix[index[p]].append(j)
+    lps: list[list[float]] = [[] for _ in distinct]
+    top: list[list[bool]] = [[] for _ in distinct]
+
+    def first(i: int, logprobs: torch.Tensor) -> None:
+        best = int(logprobs.argmax())
+        for j in by_prefix[i]:
+            token = distinct[j][1][0]
+            lps[j].append(float(logprobs[token]))
+            top[j].append(token == best)
+
+    bases = last_logprobs(backend, prefixes, first)
+    handles: list[Handle | None] = [bases[index[p]] if store else None for p, _ in distinct]
+    longer = sorted((j for j, (_, c) in enumerate(distinct) if len(c) > 1),
+                    key=lambda j: (len(distinct[j][0]), len(distinct[j][1])))
+    _continuations(backend, distinct, longer, lps, top, handles, store)
+    del bases
+    done = {key: Scored(tuple(lps[j]), tuple(top[j]), handles[j])
+            for j, key in enumerate(distinct)}
+    return [done[key] for key in keys]
+
+
+def _continuations(backend: Any, pairs: list[tuple[tuple[int, ...], tuple[int, ...]]],
+                   todo: list[int], lps: list[list[float]], top: list[list[bool]],
+                   handles: list[Handle | None], store: bool) -> None:
+    """Feed ``c[:-1]`` after each pair's stored prefix, reading the log-prob of ``c[1:]``."""
+    vocab_bytes = 4 * backend.vocab_size
+
+    def cost(group: list[int]) -> tuple[int, int]:
+        longest = max(len(pairs[j][0]) + len(pairs[j][1]) for j in group)
+        fed = min(max(len(pairs[j][1]) - 1 for j in group), CHUNK)
+        return len(group) * longest, len(group) * fed * vocab_bytes
+
+    for group in _groups(todo, cost, _max_rows(backend)):
+        rows = [list(pairs[j][0]) + [pairs[j][1][0]] for j in group]     # KV: the prefix
+        chunk = max(1, min(CHUNK, LOGITS_BYTES // (len(group) * vocab_bytes)))
+        batch = backend.batch()
+        try:
+            slots = batch.add(rows, max(len(pairs[j][1]) for j in group))
+            done = 0
+            while True:
+                live = [(slot, j) for slot, j in zip(slots, group)
+                        if done < len(pairs[j][1]) - 1]
+                if not live:
+                    break
+                feeds = [list(pairs[j][1][done: min(done + chunk, len(pairs[j][1]) - 1)])
+                         for _, j in live]
+                logits = batch.extend([s for s, _ in live], feeds)
+                for (_, j), fed, out in zip(live, feeds, logits):
+                    targets = torch.tensor(pairs[j][1][done + 1: done + 1 + len(fed)])
+                    logprobs = out.log_softmax(-1)                             # (n, V)
+                    lps[j].extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
+                    top[j].extend((logprobs.argmax(-1) == targets).tolist())
+                del logits
+                done += chunk
+            if store:
+                for slot, j in zip(slots, group):
+                    tokens = list(pairs[j][0]) + list(pairs[j][1])
+                    handles[j] = batch.commit(slot, tokens, len(tokens) - 1)
+        finally:
+            batch.close()

@@ -1,0 +1,229 @@
+"""``state.score`` and ``state.next_logprobs``: exact against a fresh evaluation on every kind
+of state, each prefix computed once, continuation KV scratch, errors before compute."""
+
+import random
+
+import pytest
+import torch
+
+import seqstate as ss
+from seqstate.backends import scoring
+from seqstate.errors import ArgumentError, BatchMismatch, ContextOverflowError
+
+from conftest import tolerance
+
+
+def _logprob_tolerance(model) -> float:
+    """Log-probs: the HF engine within 1e-4 of a fresh forward; llama.cpp within twice its
+    logit noise floor (a log-softmax adds the noise of the normaliser)."""
+    return 1e-4 if model.backend.capabilities.exact else 2 * tolerance(model)
+
+
+def _check(model, state, scores):
+    """Every token's log-prob and greedy flag against a fresh evaluation of row + option."""
+    tol = _logprob_tolerance(model)
+    start = model.start_token_ids
+    for b in range(state.n_batch):
+        for s in range(state.n_samples):
+            row = list(state.row(b, s).tokens) or list(start)
+            for c, lps, greedy in zip(scores.tokens[b][s], scores.logprobs[b][s],
+                                      scores.greedy[b][s]):
+                fresh = model.full_logits(row + list(c)).float().log_softmax(-1)
+                at = torch.arange(len(row) - 1, len(row) - 1 + len(c))
+                want = fresh[at, torch.tensor(c)]
+                assert (torch.tensor(lps) - want).abs().max().item() < tol
+                assert greedy == bool((fresh[at].argmax(-1) == torch.tensor(c)).all())
+
+
+def _states(model):
+    """States built every way: a generator call (stored KV), from_tokens (none), a slice, a
+    1x3 fork, and a ragged batch."""
+    gen = ss.text(model)(["Question: what is 2+2?\nAnswer:", "The capital of France is"],
+                         max_tokens=4)
+    fork = ss.text(model)("Once upon a time", max_tokens=3, num_samples=3,
+                          sampler=ss.multinomial(), seed=3)
+    ragged = ss.from_tokens(model, [model.encode("Hi"), model.encode("A much longer row of "
+                                                                     "text than the first")])
+    return {"generated": gen, "from_tokens": ss.from_tokens(model, [model.encode("Tea or")]),
+            "sliced": gen.tokens[:-2], "forked": fork, "ragged": ragged}
+
+
+@pytest.mark.parametrize("kind", ["generated", "from_tokens", "sliced", "forked", "ragged"])
+def test_score_equals_a_fresh_evaluation(engine, kind):
+    state = _states(engine)[kind]
+    ids = engine.encode(" and then some more words")[:6]
+    shared = [" yes", " no, never", ids, engine.encode(" x")[:1], " a b c d e f g h"]
+    _check(engine, state, state.score(shared))
+
+
+def test_score_one_list_per_batch_item(engine):
+    state = _states(engine)["ragged"]
+    per_item = [[" there", [engine.encode(" you")[0]]], [" A", " B", " C and D"]]
+    scores = state.score(per_item)
+    assert [len(x[0]) for x in scores.tokens] == [2, 3]
+    assert scores.sums.shape == (2, 1, 3) and scores.sums[0, 0, 2].isnan()
+    assert not scores.sums[1].isnan().any()
+    _check(engine, state, scores)
+    means = scores.means[1, 0]
+    assert means.tolist() == pytest.approx([sum(x) / len(x) for x in scores.logprobs[1][0]])
+    assert scores.best().tolist() == [[int(scores.sums[0, 0, :2].argmax())],
+                                      [int(scores.sums[1, 0].argmax())]]
+
+
+def test_a_tail_longer_than_a_chunk_is_exact(tiny, monkeypatch):
+    """Continuations fed in several forwards (chunks) score exactly; one longer than the
+    default chunk of 1,024 tokens too."""
+    state = ss.from_tokens(tiny, [tiny.encode("Read this:")])
+    text = " ".join(f"word{i}" for i in range(400))
+    long = tiny.encode(text)[:1100]
+    assert len(long) > scoring.CHUNK
+    _check(tiny, state, state.score([long, " short one"]))
+    monkeypatch.setattr(scoring, "CHUNK", 3)
+    _check(tiny, state, state.score([" a longer continuation of several tokens", " b"]))
+
+
+def test_chunks_on_llama_cpp(llama, monkeypatch):
+    monkeypatch.setattr(scoring, "CHUNK", 2)
+    state = ss.from_tokens(llama, [llama.encode("Read this:"), llama.encode("Then")])
+    _check(llama, state, state.score([" a longer continuation of several tokens", " b"]))
+    llama.backend.verify()
+
+
+def test_next_logprobs_is_exact_and_independent_of_other_rows(engine):
+    rng = random.Random(0)
+    words = engine.encode(" ".join(["alpha", "beta", "gamma", "delta", "tea", "sky"] * 10))
+    rows = [words[: rng.randint(1, 40)] for _ in range(49)] + [[]]
+    lp = ss.from_tokens(engine, rows).next_logprobs()
+    assert lp.shape == (50, 1, engine.vocab.size) and lp.dtype == torch.float32
+    tol = _logprob_tolerance(engine)
+    for row, got in zip(rows, lp[:, 0]):
+        tokens = row or engine.start_token_ids
+        alone = ss.from_tokens(engine, [tokens]).next_logprobs()[0, 0]
+        assert (got - alone).abs().max().item() < tol
+        fresh = engine.full_logits(tokens)[-1].float().log_softmax(-1)
+        assert (got - fresh).abs().max().item() < tol
+
+
+def test_branching_a_prefix_and_comparing_next_token_distributions(tiny):
+    base = ss.from_tokens(tiny, [tiny.encode("When Mary and John went to the store,")])
+    variants = base + [" John gave a drink to", " Mary gave a drink to"]
+    assert variants.shape == (2, 1) and variants.rows[0].tokens[:len(base.rows[0].tokens)] \
+        == base.rows[0].tokens
+    lp = variants.next_logprobs()
+    mary, john = tiny.encode(" Mary")[0], tiny.encode(" John")[0]
+    diff = lp[:, 0, mary] - lp[:, 0, john]
+    for i, row in enumerate(variants.rows):
+        fresh = tiny.full_logits(list(row.tokens))[-1]
+        assert diff[i].item() == pytest.approx((fresh[mary] - fresh[john]).item(), abs=1e-4)
+    # a 1x3 state branches into 2 batch items of 3 samples; a 2-item state takes one each
+    forked = ss.text(tiny)("Hi", max_tokens=1, num_samples=3, sampler=ss.multinomial(), seed=1)
+    assert (forked + [" a", " b"]).shape == (2, 3)
+    two = ss.from_tokens(tiny, [[1, 2], [3, 4]])
+    assert (two + [" a", " b"]).texts == [[two.texts[0][0] + " a"], [two.texts[1][0] + " b"]]
+
+
+def _trie_size(paths):
+    nodes = set()
+    for p in paths:
+        nodes.update(tuple(p[:i]) for i in range(1, len(p) + 1))
+    return len(nodes)
+
+
+def test_each_prefix_is_computed_once_and_continuations_are_not_stored(fresh_tiny):
+    """10 questions x 4 options behind a ~100-token shared prefix: the tokens through the model
+    are the trie of context + option[:-1] (options that begin alike are each fed whole); the
+    store keeps the contexts only."""
+    m = fresh_tiny
+    shots = m.encode(" ".join(f"Example {i}: the answer is {i * 7}." for i in range(12)))
+    assert 90 <= len(shots) <= 140
+    contexts = [shots + m.encode(f" Question {q}: how many {q}?") for q in range(10)]
+    words = ["apples", "boats", "clouds", "dogs"]
+    options = [[m.encode(f" {w} ({q * k} of them)") for k, w in enumerate(words)]
+               for q in range(10)]
+    state = ss.from_tokens(m, contexts)
+    before = m.stats
+    scores = state.score(options)
+    used = m.stats - before
+    trie = _trie_size([c + o[:-1] for c, opts in zip(contexts, options) for o in opts])
+    assert used.prefill_tokens + used.decode_tokens == trie
+    # stored: the contexts, not the continuations
+    assert m.stats.kv_bytes_cached == _trie_size(contexts) * _bytes_per_token(m)
+    again = m.stats
+    assert torch.allclose(state.score(options).sums, scores.sums, atol=1e-4)
+    second = m.stats - again
+    # a second identical call: each context's last token (its distribution) and the options
+    assert second.prefill_tokens == 0
+    assert second.decode_tokens == len(contexts) + sum(len(o) - 1 for opts in options
+                                                       for o in opts)
+    assert m.stats.kv_bytes_cached == _trie_size(contexts) * _bytes_per_token(m)
+
+
+def _bytes_per_token(m) -> int:
+    b = m.backend
+    return b.num_layers * 2 * b.kv_heads * b.head_dim * torch.finfo(b.dtype).bits // 8
+
+
+def test_store_true_keeps_the_continuations(fresh_tiny):
+    m = fresh_tiny
+    state = ss.from_tokens(m, [m.encode("Pick a colour:")])
+    options = [m.encode(" deep red"), m.encode(" blue")]
+    state.score(options, store=True)
+    row = list(state.rows[0].tokens)
+    for o in options:
+        assert m.backend.store.match(row + o).length == len(row) + len(o) - 1
+    before = m.stats
+    ss.text(m)(state + " deep red", max_tokens=1)
+    assert (m.stats - before).prefill_tokens == 0
+
+
+def test_scored_choice_stores_only_the_winner(fresh_tiny):
+    m = fresh_tiny
+    texts = [" red", " green", " blue sky today"]
+    state = ss.choice(m, texts, method="score")("Choose:")
+    row = list(state.rows[0].tokens)
+    prompt = m.encode_prompt("Choose:")
+    winner = row[len(prompt):]
+    assert m.backend.store.match(row).length == len(row) - 1
+    losers = [m.encode(t) for t in texts if m.encode(t) != winner]
+    assert len(losers) == 2 and all(ids[0] != winner[0] for ids in losers)
+    for ids in losers:
+        assert m.backend.store.match(prompt + ids).length == len(prompt)
+    alone = ss.from_tokens(m, [prompt]).score(texts).means[0, 0]       # length-normalised
+    assert [state.scores[t] for t in texts] == pytest.approx(alone.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("bad, error", [
+    ("yes", ArgumentError), ([], ArgumentError), ([""], ArgumentError),
+    ([[10 ** 9]], ArgumentError), ([[]], ArgumentError), ([" a", [[" b"]]], ArgumentError),
+    ([[" a"], [" b"], [" c"]], BatchMismatch), ([3.5], ArgumentError),
+])
+def test_bad_continuations_are_refused_before_compute(tiny, bad, error):
+    state = ss.from_tokens(tiny, [tiny.encode("Hello"), tiny.encode("There")])
+    before = tiny.stats
+    with pytest.raises(error):
+        state.score(bad)
+    assert tiny.stats == before
+
+
+def test_a_row_and_continuation_past_the_context_are_refused(tiny):
+    state = ss.from_tokens(tiny, [[5] * (tiny.context_length - 2)])
+    before = tiny.stats
+    with pytest.raises(ContextOverflowError):
+        state.score([[7, 8, 9]])
+    assert tiny.stats == before
+
+
+def test_score_on_the_real_model_is_exact(real):
+    """Three ARC-Easy questions behind their 5-shot prefix on SmolLM2."""
+    import gzip
+    import json
+    import pathlib
+
+    data = pathlib.Path(__file__).parents[2] / "shared/data/arc_easy/rc_5shot.requests.jsonl.gz"
+    with gzip.open(data, "rt") as f:
+        requests = [r for r in map(json.loads, f) if r["doc_id"] < 3]
+    contexts = list(dict.fromkeys(r["request"]["context"] for r in requests))
+    answers = [[r["request"]["continuation"] for r in requests if r["request"]["context"] == c]
+               for c in contexts]
+    state = ss.from_tokens(real, [real.encode_prompt(c) for c in contexts])
+    _check(real, state, state.score(answers))
