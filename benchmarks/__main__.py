@@ -1,5 +1,10 @@
-"""`make bench`: every suite on the real default model, ratios against peers in the same run."""
+"""`make bench`: every suite on the real default model, ratios against peers in the same run.
 
+``python -m benchmarks [suite ...] [--questions N] [--batch-sizes 1,8,32]``: the options are
+the scoring suite's (the first N ARC-Easy questions; lm-eval HF backend batch sizes).
+"""
+
+import argparse
 import os
 import sys
 
@@ -9,19 +14,32 @@ import torch  # noqa: E402
 
 import seqstate as ss  # noqa: E402
 from benchmarks import (batch, beam, engine, engines, first_calls, hooks,  # noqa: E402
-                        json_schemas, programs, speculation)
+                        json_schemas, programs, scoring, speculation)
 
 SUITES = {"engine": engine.main, "programs": programs.main, "hooks": hooks.main,
           "beam": beam.main, "batch": batch.main, "json": json_schemas.main,
           "engines": engines.main, "speculation": speculation.main,
-          "first_calls": first_calls.main}
+          "first_calls": first_calls.main, "scoring": scoring.main}
 
 
 def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks")
+    parser.add_argument("suites", nargs="*", metavar="suite",
+                        help=f"suites to run (default: all): {', '.join(SUITES)}")
+    parser.add_argument("--questions", type=int, default=None,
+                        help="scoring: the first N ARC-Easy questions (default: all 570)")
+    parser.add_argument("--batch-sizes", default="1,8,32",
+                        help="scoring: lm-eval HF backend batch sizes, the fastest kept")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.suites if s not in SUITES]
+    if unknown:
+        parser.error(f"unknown suites {unknown}; the suites are {', '.join(SUITES)}")
+    options = {"scoring": {"questions": args.questions,
+                           "batch_sizes": tuple(int(b) for b in args.batch_sizes.split(","))}}
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     model = ss.models.default()
-    for name in argv or list(SUITES):
-        SUITES[name](model)
+    for name in args.suites or list(SUITES):
+        SUITES[name](model, **options.get(name, {}))
 
 
 if __name__ == "__main__":
