@@ -19,7 +19,8 @@ from benchmarks import (batch, beam, engine, engines, first_calls, hooks,  # noq
 SUITES = {"engine": engine.main, "programs": programs.main, "hooks": hooks.main,
           "beam": beam.main, "batch": batch.main, "json": json_schemas.main,
           "engines": engines.main, "speculation": speculation.main,
-          "first_calls": first_calls.main, "scoring": scoring.main}
+          "first_calls": first_calls.main, "scoring": scoring.main,
+          "variants": scoring.variants_main}
 
 
 def main(argv: list[str]) -> None:

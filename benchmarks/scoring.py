@@ -12,6 +12,10 @@ and the largest log-likelihood difference from the HF backend's.
 
 ``python -m benchmarks scoring --questions 100`` runs the first 100 questions (the issue's
 reference: HF backend 88.2 s at batch 8, accuracy 0.570 on rc_5shot); the default is all 570.
+
+Suite ``variants`` (`variants_main`): one clean prefix (148 or 1,000 tokens) and 256 token
+variants of 5-20 tokens behind it, the next-token distribution after each and a 2-answer
+score, against an HF left-padded batched forward and an HF prefix cache repeated per row.
 """
 
 from __future__ import annotations
@@ -161,7 +165,6 @@ def main(model, questions: int | None = None,
     except (ImportError, ss.ModelNotAvailable) as exc:
         print(f"  llama.cpp engine unavailable: {exc}")
         fast = None
-    variants_main(model)
     for task in TASKS:
         instances = requests(task, questions)
         n = len({inst.doc["doc_id"] for inst in instances})
@@ -262,6 +265,7 @@ def variants_rows(model, prefix_tokens: int) -> list[tuple[str, float, str]]:
 
 
 def variants_main(model) -> None:
+    """``make bench`` suite ``variants``: the TransformerLens-style case of issue 25."""
     from benchmarks.harness import report
 
     for prefix_tokens in (148, 1000):

@@ -174,9 +174,10 @@ class SeqStateLM(TemplateLM):
                 state = ss.from_tokens(self.model, [list(c) for c in contexts])
                 scores = state.score([[list(pairs[i][1]) for i in by_context[c]]
                                       for c in contexts])
+                sums = scores.sums.tolist()                          # (contexts, 1, options)
                 for b, context in enumerate(contexts):
                     for o, i in enumerate(by_context[context]):
-                        results[i] = (float(scores.sums[b, 0, o]), bool(scores.greedy[b][0][o]))
+                        results[i] = (sums[b][0][o], scores.greedy[b][0][o])
                         if requests[i][0] is not None:
                             self.cache_hook.add_partial("loglikelihood", requests[i][0],
                                                         results[i])
