@@ -3,9 +3,10 @@
 from seqstate import backends, constraints, engine, grammars, hooks, kv, models, sampling, viz
 from seqstate.batch import BatchError, run_batch
 from seqstate.conversation import chat
-from seqstate.errors import (ArgumentError, BatchMismatch, CapabilityError, ChatTemplateError,
-                             ConstraintError, ContextOverflowError, HookError, ModelMismatch,
-                             ModelNotAvailable, SampleMismatch, SeqStateError, SlicingError)
+from seqstate.errors import (ActivationHookError, ArgumentError, BatchMismatch, CapabilityError,
+                             ChatTemplateError, ConstraintError, ContextOverflowError, HookError,
+                             ModelMismatch, ModelNotAvailable, SampleMismatch, SeqStateError,
+                             SlicingError)
 from seqstate.generation import (Generator, cfg, choice, continuous, final_state, json, regex,
                                  text)
 from seqstate.sampling import beam_search, greedy, multinomial
@@ -18,5 +19,5 @@ __all__ = [
     "models", "backends", "engine", "kv", "sampling", "constraints", "grammars", "hooks", "viz",
     "SeqStateError", "SlicingError", "BatchMismatch", "SampleMismatch", "ModelMismatch",
     "ConstraintError", "ContextOverflowError", "ModelNotAvailable", "HookError", "ArgumentError",
-    "ChatTemplateError", "CapabilityError",
+    "ChatTemplateError", "CapabilityError", "ActivationHookError",
 ]

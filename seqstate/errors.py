@@ -17,6 +17,7 @@ __all__ = [
     "ModelNotAvailable",
     "ChatTemplateError",
     "HookError",
+    "ActivationHookError",
     "ArgumentError",
     "CapabilityError",
 ]
@@ -61,6 +62,21 @@ class ModelNotAvailable(SeqStateError, RuntimeError):
 
 class HookError(SeqStateError, RuntimeError):
     """A post-sampling hook returned an action that cannot be honoured."""
+
+
+class ActivationHookError(SeqStateError, RuntimeError):
+    """Compute refused, before it starts, on a model whose torch forward hooks or pre-hooks
+    could edit activations: the KV it computed would be stored under plain tokens and
+    reused by later clean calls.  Run such calls inside ``with model.frozen_store():``
+    (stored KV is read, nothing is written), or remove the hooks.  ``hooks`` maps each
+    hooked module's name (``"<global>"`` for torch's global hooks) to its hook count."""
+
+    def __init__(self, message: str, hooks: dict[str, int] | None = None) -> None:
+        super().__init__(message)
+        self.hooks = dict(hooks or {})
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.hooks))
 
 
 class ArgumentError(SeqStateError, TypeError, ValueError):

@@ -13,6 +13,12 @@ set of *evictable* nodes (unpinned, childless, not the root) kept in least-recen
 order, so choosing what to evict is a heap pop, never a scan of the tree.  What to evict
 and when (a byte budget, no free sequence ids) stays with the engine.
 
+*Scratch* nodes hold KV that must never be matched: what was computed while a
+``frozen_store()`` block was open (activation hooks may have edited it), and anything below
+such a node.  `RadixTree.scratch` hangs one off a parent without linking it into the
+parent's children, so no walk reaches it and no store count includes it; it pins its parent
+while it lives and is removed the moment its last pin goes, never joining the LRU order.
+
 Examples
 --------
 >>> tree = RadixTree(Node(None, 0, ()))
@@ -26,10 +32,20 @@ True
 >>> tree.lru_leaf() is a
 True
 >>> tree.verify()
+
+A scratch node is reachable only through its handle, and goes with it:
+
+>>> h = tree.scratch(Node(a, 3, (4, 5)))
+>>> h.length, tree.match([1, 2, 3, 4, 5]).length, tree.scratch_count
+(5, 3, 1)
+>>> del h
+>>> tree.scratch_count
+0
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import threading
@@ -44,11 +60,12 @@ class Node:
     """A span of stored tokens, hanging off ``parent`` after ``offset`` of its tokens.
 
     ``start`` is the position of the first token in the path; ``pins`` counts live handles
-    ending in this node; ``last_used`` is the tick of the last walk that reached it.
+    ending in this node (and scratch children hanging off it); ``last_used`` is the tick of
+    the last walk that reached it; ``scratch`` marks a node no walk may reach.
     """
 
-    __slots__ = ("__weakref__", "children", "last_used", "offset", "parent", "pins", "start",
-                 "tokens")
+    __slots__ = ("__weakref__", "children", "last_used", "offset", "parent", "pins", "scratch",
+                 "start", "tokens")
 
     def __init__(self, parent: Node | None, offset: int, tokens: tuple[int, ...]) -> None:
         self.parent = parent
@@ -58,6 +75,7 @@ class Node:
         self.children: dict[int, dict[int, Node]] = {}   # offset -> first token -> child
         self.pins = 0
         self.last_used = 0
+        self.scratch = False
 
     @property
     def end(self) -> int:
@@ -130,18 +148,26 @@ class RadixTree(Generic[N]):
         An empty node of the engine's payload type (no parent, no tokens); never evicted.
     handle : type of PinnedPrefix
         The class of the handles `match` and `handle` give out.
+    release : callable, optional
+        ``release(node)`` frees a scratch node's payload when its last pin goes (under
+        ``lock``, possibly from a handle's finalizer on any thread).
     """
 
-    def __init__(self, root: N, handle: type[PinnedPrefix] = PinnedPrefix) -> None:
+    def __init__(self, root: N, handle: type[PinnedPrefix] = PinnedPrefix,
+                 release: Callable[[N], None] | None = None) -> None:
         if root.parent is not None or root.tokens:
             raise ValueError(f"the root must have no parent and no tokens, got {root!r}")
         self.root = root
         self.handle_type = handle
+        self.release = release
         self.lock = threading.RLock()
         self.size = 0                                 # total weight of every node but the root
         self.held = 0                                 # weight of pinned nodes
         self.count = 0                                # nodes but the root
         self.evictions = 0                            # nodes removed
+        self.frozen = 0                               # open `freeze()` blocks
+        self.scratch_count = 0                        # live scratch nodes (in no count above)
+        self.scratch_size = 0                         # their weight
         self._tick = itertools.count(1)
         self._evictable: set[N] = set()
         # (last_used, tie-break, node): an entry is current while the node is evictable and
@@ -192,13 +218,7 @@ class RadixTree(Generic[N]):
         """
         parent = node.parent
         with self.lock:
-            if parent is None or not node.tokens or node.pins:
-                raise ValueError(f"cannot attach {node!r}: it needs a parent, tokens, no pins")
-            if not (0 < node.offset or parent is self.root) or node.offset > len(parent.tokens):
-                raise ValueError(f"cannot attach {node!r} at offset {node.offset} of {parent!r}")
-            if parent is not self.root and (parent.parent is None or parent.parent.child(
-                    parent.offset, parent.tokens[0]) is not parent):
-                raise ValueError(f"cannot attach below {parent!r}: it is not in the tree")
+            self._check_new(node, scratch=False)
             group = parent.children.setdefault(node.offset, {})
             if node.tokens[0] in group:
                 raise ValueError(f"{parent!r} already has a child at offset {node.offset} "
@@ -211,6 +231,51 @@ class RadixTree(Generic[N]):
             self._evictable.add(node)
             self._push(node)
             return node
+
+    def scratch(self, node: N) -> PinnedPrefix:
+        """Hang a new ``node`` (built with its parent and offset) off its parent as scratch,
+        unreachable by any walk; a handle on all of it.
+
+        The parent may be any node of the tree or a live scratch node (what continues scratch
+        is scratch).  The node pins its parent until it is removed, which happens as soon as
+        no handle pins it (``release(node)`` is called then).
+        """
+        with self.lock:
+            self._check_new(node, scratch=True)
+            node.scratch = True
+            self._pin(node.parent, +1)
+            self.scratch_count += 1
+            self.scratch_size += node.weight
+            return self.handle(node, len(node.tokens))
+
+    def _check_new(self, node: N, *, scratch: bool) -> None:
+        """Refuse (ValueError) a new node that cannot hang where it says; below a live scratch
+        node only as ``scratch``."""
+        parent = node.parent
+        if parent is None or not node.tokens or node.pins:
+            raise ValueError(f"cannot attach {node!r}: it needs a parent, tokens, no pins")
+        if not (0 < node.offset or parent is self.root) or node.offset > len(parent.tokens):
+            raise ValueError(f"cannot attach {node!r} at offset {node.offset} of {parent!r}")
+        if not (self._linked(parent) or (scratch and parent.scratch and parent.pins > 0)):
+            raise ValueError(f"cannot attach below {parent!r}: it is not in the tree")
+
+    def _linked(self, node: N) -> bool:
+        """Whether ``node`` is the root or linked from its parent (scratch nodes never are)."""
+        parent = node.parent
+        return node is self.root or (parent is not None and not node.scratch
+                                     and parent.child(node.offset, node.tokens[0]) is node)
+
+    @contextlib.contextmanager
+    def freeze(self) -> Iterator[None]:
+        """While open (re-entrant, any thread), ``frozen`` is positive: stores make scratch
+        nodes instead of attaching."""
+        with self.lock:
+            self.frozen += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.frozen -= 1
 
     def remove(self, node: N) -> None:
         """Unlink an evictable ``node`` (unpinned, childless); its parent may become evictable."""
@@ -233,6 +298,16 @@ class RadixTree(Generic[N]):
         with self.lock:
             before = node.pins
             node.pins += delta
+            while node.scratch and node.pins == 0:    # its last pin went: so does it
+                self.scratch_count -= 1
+                self.scratch_size -= node.weight
+                if self.release is not None:
+                    self.release(node)
+                node = node.parent                    # and unpins its parent (a loop, not a
+                before = node.pins                    # recursion: scratch chains grow long)
+                node.pins -= 1
+            if node.scratch:
+                return
             if before == 0 and node.pins > 0:
                 self.held += node.weight
                 self._evictable.discard(node)

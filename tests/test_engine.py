@@ -171,7 +171,7 @@ def test_a_small_forward_runs_on_one_thread_and_restores_the_callers_team(tiny):
     before = torch.get_num_threads()
     short, long = tiny.encode("Hi there"), [100 + i % 500 for i in range(SERIAL_COLUMNS + 8)]
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), tiny.frozen_store():   # a hooked model stores nothing
             for rows in ([short], [long], [short, short]):
                 batch = tiny.backend.batch()
                 slots = batch.add(rows, 4)              # the prefill runs the decoder only

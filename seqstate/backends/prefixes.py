@@ -44,26 +44,38 @@ def ensure_stored(store: Any, rows: Sequence[Sequence[int]],
     """Make sure ``row[:-1]`` of every row is in ``store``; pinned handles on each.
 
     ``run_tails(todo)`` computes the uncached tail of each ``(target, stored handle)`` and
-    returns pinned handles on the stored targets.  The last token of each row is left for
+    returns pinned handles on the stored targets, one per item of ``todo``, in its order
+    (they are the only way to this call's scratch KV, which no match finds).  The last token of each row is left for
     the first decode step, which produces its logits.  ``cached_tokens_reused`` counts the
     tokens of distinct rows already stored at the start.
     """
     targets = [tuple(r[:-1]) for r in rows]
     unique = list(dict.fromkeys(targets))
     count(cached_tokens_reused=sum(store.match(t).length for t in unique))
-    pins: list[Any] = []          # keeps what this call stored from eviction until it returns
-    _prefill(store, unique, run_tails, pins)
-    return [store.match(t) for t in targets]
+    # what this call computed: pinned until it returns, and found here even where the store
+    # will not match it (scratch KV, computed inside `frozen_store()`)
+    made: dict[tuple[int, ...], Any] = {}
+    _prefill(store, unique, run_tails, made)
+    return [_lookup(store, t, made) for t in targets]
 
 
-def _prefill(store: Any, targets: list[tuple[int, ...]], run_tails: Callable, pins: list) -> None:
+def _lookup(store: Any, target: tuple[int, ...], made: dict[tuple[int, ...], Any]) -> Any:
+    """A handle on the longest prefix of ``target`` with KV: stored, or made by this call."""
+    hit = made.get(target)
+    ours = [hit] if hit is not None else [h for done, h in made.items()
+                                          if target[:len(done)] == done]
+    return max([store.match(target), *ours], key=lambda h: h.length)
+
+
+def _prefill(store: Any, targets: list[tuple[int, ...]], run_tails: Callable,
+             made: dict[tuple[int, ...], Any]) -> None:
     while True:
-        handles = [store.match(t) for t in targets]
+        handles = [_lookup(store, t, made) for t in targets]
         todo = [(t, h) for t, h in zip(targets, handles) if h.length < len(t)]
         if not todo:
             return
         shared = shared_prefixes([t for t, _ in todo], [h.length for _, h in todo])
         if shared:
-            _prefill(store, shared, run_tails, pins)
+            _prefill(store, shared, run_tails, made)
             continue
-        pins.extend(run_tails(todo))
+        made.update(zip([t for t, _ in todo], run_tails(todo)))

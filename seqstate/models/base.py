@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
+from collections.abc import Iterator
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -124,6 +126,38 @@ class BaseModel:
 
     def count(self, **deltas: int) -> None:
         self.backend.count(**deltas)
+
+    @contextlib.contextmanager
+    def frozen_store(self) -> Iterator[BaseModel]:
+        """A block in which stored KV is read and nothing is written to the store.
+
+        Calls inside work as usual: they reuse stored prefixes, prefill what is missing,
+        decode, and return states whose handles pin the KV they computed.  But that KV is
+        *scratch*: no later call matches it (continuing such a state recomputes its tokens
+        past the stored prefix) and it is freed as soon as no state holds it, so the store is
+        the same before and after the block.  On the HF engine this is where torch forward
+        hooks are allowed (activation patching, steering): outside a block a hooked model is
+        refused with `seqstate.ActivationHookError`, because its KV would be stored under
+        plain tokens and reused by clean calls.  The hooks must leave the stored prefix's
+        positions alone (they are read, not recomputed).
+
+        Re-entrant and thread-safe; while any thread has a block open, every call on this
+        model stores nothing.
+
+        Examples
+        --------
+        >>> import seqstate as ss
+        >>> model = ss.models.testing.tiny()
+        >>> prompt = ss.text(model)("The capital of France is", max_tokens=2)   # stored
+        >>> before = model.stats
+        >>> with model.frozen_store():
+        ...     patched = ss.text(model)(prompt + " and", max_tokens=4)
+        >>> del patched                                       # its scratch KV goes with it
+        >>> model.stats.kv_bytes_cached == before.kv_bytes_cached
+        True
+        """
+        with self.backend.store.freeze():
+            yield self
 
     def full_logits(self, ids: list[int]) -> Any:
         """Logits (T, V) of a fresh evaluation of ``ids`` sharing no stored KV: the reference."""

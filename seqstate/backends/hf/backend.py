@@ -15,6 +15,7 @@ import torch
 
 from seqstate.backends.base import Backend, Capabilities, Scored, WorkCounters, openmp
 from seqstate.backends.hf.batch import HFBatch
+from seqstate.backends.hf.guard import HookGuard
 from seqstate.backends.hf.store import DEFAULT_BUDGET_BYTES, KVStore
 from seqstate.backends.scoring import next_logprobs, score_pairs
 
@@ -65,6 +66,7 @@ class HFBackend(Backend):
         self.hf_model = hf_model
         self.pad_token_id = pad_token_id
         self.store = KVStore(kv_budget_bytes)
+        self.guard = HookGuard(hf_model, self.store)     # no hooked KV into the store
         self.counters = WorkCounters.zeros()
         cfg = hf_model.config.get_text_config(decoder=True)
         self.num_layers = cfg.num_hidden_layers
@@ -100,7 +102,9 @@ class HFBackend(Backend):
 
         ``attention_mask`` (B, past + T) may be None when no row is padded.  ``logits=False``
         skips the LM head (prefill); ``logits="all"`` returns every position's (B, T, V).
+        Refused (`seqstate.ActivationHookError`) on a hooked model outside ``frozen_store()``.
         """
+        self.guard.check()
         self.count(forward_calls=1)
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids, past_key_values=cache, use_cache=True)

@@ -27,6 +27,9 @@ class HFBatch:
     and no other row is touched.  Rows joining later are right-aligned to the current column
     (the buffer shifts right when a newcomer's prefix is longer); released rows and columns
     no live row uses are compacted away once they are a quarter of the buffer.
+
+    KV fed while the store is frozen (``model.frozen_store()``) is committed as scratch: each
+    row remembers its first such column.
     """
 
     def __init__(self, backend: HFBackend) -> None:
@@ -38,6 +41,7 @@ class HFBatch:
         self.cols: list[list[int]] = []      # per buffer row: columns of its KV past the base
         self.junk: list[list[int]] = []      # per buffer row: columns of steps it sat out
         self.first: list[int] = []           # per buffer row: its first KV column
+        self.frozen: list[int | None] = []   # per buffer row: its first col fed while frozen
         self.padded = False                  # False while no row needs a mask
         self._next_slot = 0
 
@@ -67,6 +71,7 @@ class HFBatch:
             self.cols.append([])
             self.junk.append([])
             self.first.append(end - h.length)
+            self.frozen.append(None)
             slots.append(self._new_slot(row))
         return slots
 
@@ -85,6 +90,7 @@ class HFBatch:
         self.cols.append(list(self.cols[row]))
         self.junk.append(list(self.junk[row]))
         self.first.append(self.first[row])
+        self.frozen.append(self.frozen[row])
         return self._new_slot(new)
 
     def release(self, slot: int) -> None:
@@ -98,7 +104,7 @@ class HFBatch:
         self.buf = None                       # the buffer is freed; stored KV stays
         self.mask = torch.zeros(0, 0, dtype=torch.long)
         self.row_of.clear()
-        self.bases, self.cols, self.junk, self.first = [], [], [], []
+        self.bases, self.cols, self.junk, self.first, self.frozen = [], [], [], [], []
 
     # -- the buffer's shape -------------------------------------------------------------------
     def _grow(self, rows: int, capacity: int) -> None:
@@ -132,6 +138,7 @@ class HFBatch:
         self.cols = [self.cols[r] for r in keep]
         self.junk = [self.junk[r] for r in keep]
         self.first = [self.first[r] for r in keep]
+        self.frozen = [self.frozen[r] for r in keep]
         lo = min(self.first)
         if lo * 4 >= self.buf.capacity:
             self.buf.shift(-lo)
@@ -164,6 +171,7 @@ class HFBatch:
         mask).  Junk columns come after a row's fed tokens, so causal attention never sees
         them; they are masked out when the row is fed again."""
         buf, backend = self.buf, self.backend
+        backend.guard.check()                     # before this batch changes (and in forward)
         if buf.length + k > buf.capacity:
             self._grow(0, buf.length + k)
         col = buf.length
@@ -178,6 +186,10 @@ class HFBatch:
         pos = start[:, None] + torch.arange(k)                                            # (B, k)
         self.mask[:, col: col + k] = 1
         step_mask = self.mask[:, : col + k].to(device) if self.padded else None
+        if backend.store.frozen:              # before the forward: what it computes is scratch
+            for r in fed:
+                if self.frozen[r] is None:
+                    self.frozen[r] = len(self.cols[r])
         logits = backend.forward(ids.to(device), step_mask, pos.to(device), as_cache(buf),
                                  logits=True if which == "last" else "all")
         buf.length += k
@@ -193,6 +205,8 @@ class HFBatch:
         keep = length - self.bases[row].length
         self.mask[row, self.cols[row][keep:]] = 0
         del self.cols[row][keep:]
+        if self.frozen[row] is not None and self.frozen[row] >= keep:
+            self.frozen[row] = None
         self.padded = True
 
     def commit(self, slot: int, tokens: Sequence[int], length: int) -> KVHandle:
@@ -202,4 +216,6 @@ class HFBatch:
         if n <= 0:
             return base.prefix(length)
         kv = self.buf.gather(row, self.cols[row][:n])
-        return self.backend.store.extend(tokens, base.length, kv)
+        frozen = self.frozen[row]
+        return self.backend.store.extend(tokens, base.length, kv, base=base,
+                                         scratch=frozen is not None and frozen < n)

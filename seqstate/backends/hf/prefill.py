@@ -51,19 +51,22 @@ def run_tails(backend: HFBackend, rows: Sequence[tuple[Sequence[int], KVHandle]]
     buf.length = past
     padded = not bool(mask.all())
     device = backend.device
+    scratch = store.frozen                # read before the forward: what it computes is scratch
     backend.forward(ids.to(device), mask.to(device) if padded else None, pos.to(device),
                     as_cache(buf), logits=False)
     backend.count(prefill_tokens=sum(len(t) for t in tails))
-    return [store.extend(tokens, h.length, buf.take(i, past + width - len(tail), past + width))
+    return [store.extend(tokens, h.length, buf.take(i, past + width - len(tail), past + width),
+                         base=h, scratch=scratch)
             for i, ((tokens, h), tail) in enumerate(zip(rows, tails))]
 
 
 def _run_packed(backend: HFBackend, todo: list[tuple[tuple[int, ...], KVHandle]]) -> list[KVHandle]:
-    """Every uncached tail, packed into forwards of at most ``PREFILL_BATCH_TOKENS``."""
-    todo = sorted(todo, key=lambda th: th[1].length)  # similar past lengths: less padding
+    """Every uncached tail, packed into forwards of at most ``PREFILL_BATCH_TOKENS``; a
+    handle per row of ``todo``, in its order."""
+    order = sorted(range(len(todo)), key=lambda i: todo[i][1].length)  # less padding
     stored: list[KVHandle] = []
     batch: list[tuple[tuple[int, ...], KVHandle]] = []
-    for row in todo:
+    for row in [todo[i] for i in order]:
         grown = batch + [row]
         cols = max(h.length for _, h in grown) + min(
             max(len(t) - h.length for t, h in grown), PREFILL_CHUNK)
@@ -72,11 +75,14 @@ def _run_packed(backend: HFBackend, todo: list[tuple[tuple[int, ...], KVHandle]]
             batch = []
         batch.append(row)
     stored.extend(run_tails(backend, batch))
-    return stored
+    by_row = dict(zip(order, stored))
+    return [by_row[i] for i in range(len(todo))]
 
 
 def ensure_kv(backend: HFBackend, rows: Sequence[Sequence[int]]) -> list[KVHandle]:
     """Make sure ``row[:-1]`` of every row has KV in the store; return pinned handles on it
-    (see `seqstate.backends.prefixes.ensure_stored`)."""
+    (see `seqstate.backends.prefixes.ensure_stored`).  A hooked model outside
+    ``frozen_store()`` is refused first (`seqstate.ActivationHookError`)."""
+    backend.guard.check(rescan=True)
     return ensure_stored(backend.store, rows, lambda todo: _run_packed(backend, todo),
                          backend.count)

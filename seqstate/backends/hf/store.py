@@ -9,10 +9,14 @@ Any token sequence is matched against the tree, so a prefix computed for one sta
 every other state, including ones built from plain strings.  Segments pinned by a live handle are
 never evicted; the others stay as a cache, dropped least-recently-used (leaves first) when the
 store is over its byte budget.
+
+KV computed inside ``model.frozen_store()`` (`KVStore.frozen`) is kept in scratch segments:
+its handles work, but no match finds it and it goes with its last handle.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -102,20 +106,42 @@ class KVStore:
     def evictions(self) -> int:
         return self.tree.evictions
 
+    @property
+    def bytes_scratch(self) -> int:
+        """Bytes of live scratch segments (pinned by states made inside ``frozen_store()``)."""
+        return self.tree.scratch_size
+
+    @property
+    def frozen(self) -> bool:
+        """Whether a ``frozen_store()`` block is open: new KV goes to scratch segments."""
+        return self.tree.frozen > 0
+
+    def freeze(self) -> contextlib.AbstractContextManager[None]:
+        """A block (re-entrant, any thread) during which nothing is stored: see
+        ``model.frozen_store()``."""
+        return self.tree.freeze()
+
     # -- lookup and insertion -----------------------------------------------------------------
     def match(self, tokens: Sequence[int], limit: int | None = None) -> KVHandle:
         """A handle on the longest prefix of ``tokens[:limit]`` whose KV is in the store."""
         return self.tree.match(tokens, limit)
 
-    def extend(self, tokens: Sequence[int], start: int, kv: torch.Tensor) -> KVHandle:
-        """Add the KV ``kv`` of ``tokens[start:start + n]``; ``tokens[:start]`` must be stored.
+    def extend(self, tokens: Sequence[int], start: int, kv: torch.Tensor, *,
+               base: KVHandle | None = None, scratch: bool = False) -> KVHandle:
+        """Add the KV ``kv`` of ``tokens[start:start + n]``; ``tokens[:start]`` must be stored,
+        or be ``base``'s.
 
         Tokens already present (computed by another row) are kept as they are and the duplicate
         KV is dropped, so every prefix is stored once.  Returns a handle on ``start + n`` tokens.
+        The KV goes to a scratch segment below ``base`` instead (stored nowhere a match finds
+        it) when ``scratch`` is set (it was computed inside ``frozen_store()``), when the store
+        is frozen, or when ``base`` is scratch itself.
         """
         n = kv.shape[3]
         end = start + n
         with self.lock:
+            if scratch or self.frozen or (base is not None and base.node.scratch):
+                return self._scratch(tokens, start, kv, base)
             seg, rel = self.tree.walk(tokens, end)
             stored = seg.start + rel
             if stored < start:
@@ -128,6 +154,16 @@ class KVStore:
             handle = self.tree.handle(seg, rel)
             self.evict()
             return handle
+
+    def _scratch(self, tokens: Sequence[int], start: int, kv: torch.Tensor,
+                 base: KVHandle | None) -> KVHandle:
+        base = self.tree.match(tokens, start) if base is None else base
+        if base.length != start:
+            raise RuntimeError(f"KV for tokens[:{start}] is not stored (found {base.length})")
+        if kv.shape[3] == 0:
+            return base
+        span = tuple(tokens[start: start + kv.shape[3]])
+        return self.tree.scratch(Segment(base.node, base.rel, span, kv))
 
     # -- eviction and checking ----------------------------------------------------------------
     def evict(self, budget_bytes: int | None = None) -> int:
