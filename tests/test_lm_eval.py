@@ -124,6 +124,22 @@ def test_rolling_matches_lm_eval(tiny, max_length):
     assert max(abs(a - b) for a, b in zip(expected, got)) <= 1e-4 * len(TEXTS[0])
 
 
+@pytest.mark.xfail(strict=True, raises=ss.ContextOverflowError,
+                   reason="state.score counts a continuation's last token against the context "
+                          "window, though it is never fed: lm-eval's full first window (prefix "
+                          "token + max_length tokens, max_length fed) is refused (lead, issue 25)")
+def test_rolling_over_the_whole_context_window(tiny):
+    """A text longer than the model's context: the first window feeds exactly max_length
+    tokens and scores max_length."""
+    text = " ".join(f"w{i}" for i in range(700))              # ~2,900 tokens, 2 windows
+    instances = [Instance("loglikelihood_rolling", {}, (text,), 0)]
+    lm = SeqStateLM(model=tiny)
+    assert len(lm.tok_encode(text)) > lm.max_length == tiny.context_length
+    got = lm.loglikelihood_rolling(instances, disable_tqdm=True)
+    expected = hf_backend(tiny).loglikelihood_rolling(instances, disable_tqdm=True)
+    assert abs(got[0] - expected[0]) <= 1e-4 * len(text)
+
+
 def test_left_truncation_matches_lm_eval(tiny):
     """A context longer than max_length loses its left end, as in lm-eval."""
     instances = [Instance("loglikelihood", {}, ("word " * 40 + "end", " of it"), 0)]
