@@ -148,10 +148,11 @@ def score(model: Any, rows: Sequence[Sequence[int]], shape: tuple[int, int],
     pairs = []
     for i, prefix in enumerate(prefixes):
         for c in options[i // n_samples]:
-            if len(prefix) + len(c) > limit:
+            if len(prefix) + len(c) - 1 > limit:          # the last token is never fed
                 raise ContextOverflowError(
-                    f"a row of {len(prefix)} tokens and a continuation of {len(c)} exceed the "
-                    f"model's context of {limit} tokens")
+                    f"a row of {len(prefix)} tokens and a continuation of {len(c)} need "
+                    f"{len(prefix) + len(c) - 1} positions, past the model's context of "
+                    f"{limit} tokens")
             pairs.append((prefix, c))
     scored = iter(scoring.score(model, pairs, store=store))
     tokens, logprobs, greedy = [], [], []

@@ -124,10 +124,6 @@ def test_rolling_matches_lm_eval(tiny, max_length):
     assert max(abs(a - b) for a, b in zip(expected, got)) <= 1e-4 * len(TEXTS[0])
 
 
-@pytest.mark.xfail(strict=True, raises=ss.ContextOverflowError,
-                   reason="state.score counts a continuation's last token against the context "
-                          "window, though it is never fed: lm-eval's full first window (prefix "
-                          "token + max_length tokens, max_length fed) is refused (lead, issue 25)")
 def test_rolling_over_the_whole_context_window(tiny):
     """A text longer than the model's context: the first window feeds exactly max_length
     tokens and scores max_length."""

@@ -332,3 +332,34 @@ def test_a_scoring_job_that_finds_the_cache_full_waits_for_a_job_to_leave():
     run._admit()
     assert scoring.outbox.get_nowait() == ("done", "scored")
     assert not run.running and not run.waiting
+
+
+def test_a_long_scoring_call_lets_other_calls_decode_between_its_parts(fresh_tiny, monkeypatch):
+    """Scoring runs on the worker one part (of `ROWS_PER_STEP` distinct rows) per step, so a
+    call decoding beside it keeps stepping; the scores equal those of one part."""
+    from seqstate.engine import scoring
+
+    m = fresh_tiny
+    rows = [m.encode(f"Question {i}: is {i} even?") for i in range(6)]
+    pairs = [(r, m.encode(o)) for r in rows for o in (" yes", " no")]
+    whole = ss.engine.score(m, pairs)
+    monkeypatch.setattr(scoring, "ROWS_PER_STEP", 1)
+    seen = []                              # decode tokens counted when each part starts
+    real = m.backend.score
+    monkeypatch.setattr(m.backend, "score", lambda part, **kw: seen.append(
+        m.backend.counters["decode_tokens"]) or real(part, **kw))
+    started = threading.Event()
+
+    def story():
+        return ss.text(m)(["Once upon a time", "In a land far away"], max_tokens=300,
+                          hooks=[lambda event: started.set()]).token_ids
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(story)
+        assert started.wait(30)
+        parted = ss.engine.score(m, pairs)
+        running.result()
+    assert len(seen) == len(rows)
+    assert all(b > a for a, b in zip(seen, seen[1:]))       # decode steps ran between parts
+    for got, want in zip(parted, whole):
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)

@@ -206,10 +206,13 @@ def test_bad_continuations_are_refused_before_compute(tiny, bad, error):
 
 
 def test_a_row_and_continuation_past_the_context_are_refused(tiny):
+    """The continuation's last token is never fed: a row and continuation that fill the
+    context exactly plus that token are scored; one more is refused before compute."""
     state = ss.from_tokens(tiny, [[5] * (tiny.context_length - 2)])
+    assert len(state.score([[7, 8, 9]]).logprobs[0][0][0]) == 3
     before = tiny.stats
     with pytest.raises(ContextOverflowError):
-        state.score([[7, 8, 9]])
+        state.score([[7, 8, 9, 10]])
     assert tiny.stats == before
 
 

@@ -16,12 +16,12 @@ __all__ = ["Job"]
 class Job:
     """One generator call inside the scheduler.  Subclasses give ``needs``, ``joined``,
     ``wants`` and ``step``, and may give ``pause``.  A job that needs no rows of the batch
-    (option scoring) sets ``joins = False`` and gives `run` instead.
+    (scoring) sets ``joins = False`` and gives `run` instead.
 
     Everything a job does runs on the worker thread; the caller only reads its outbox.
     """
 
-    joins = True            # False: the worker runs the whole job at once, between two steps
+    joins = True            # False: the worker runs the job's parts between steps (`run`)
 
     def __init__(self) -> None:
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -53,10 +53,11 @@ class Job:
         """Consume this job's logits, ``(len(feeds[j]), V)`` per slot; True when finished."""
         raise NotImplementedError
 
-    def run(self, backend) -> None:
-        """The whole job at once, on the worker between two steps (jobs with ``joins = False``);
-        it calls `finish` with its result.  `CacheFullError` leaves it waiting for a job to
-        leave, as a newcomer's prefill does."""
+    def run(self, backend) -> bool:
+        """The next part of a job with ``joins = False``, on the worker between two steps;
+        True when that was the last (it has called `finish` with its result), False to run
+        the next part at a later step.  `CacheFullError` leaves it waiting for a job to leave,
+        as a newcomer's prefill does, to run that part again."""
         raise NotImplementedError
 
     def pause(self, batch) -> None:

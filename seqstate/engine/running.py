@@ -88,9 +88,9 @@ class _Run:
     def _admit(self) -> None:
         """Add waiting jobs, oldest first: all in one ``batch.add`` (one prefill, shared
         prefixes once), else one by one, so a failure is its own job's alone; a job that
-        joins no rows runs whole here.  A job whose prefill finds the cache full makes room
-        by pausing newer running jobs, else waits (with everyone after it) for a job to
-        leave; alone, it fails."""
+        joins no rows runs its next part here.  A job whose prefill finds the cache full
+        makes room by pausing newer running jobs, else waits (with everyone after it) for a
+        job to leave; alone, it fails."""
         queue_, self.waiting = self.waiting, []
         joining = [j for j in queue_ if j.joins]
         if len(joining) > 1 and self._add_together(joining):
@@ -100,8 +100,8 @@ class _Run:
                 try:
                     if job.joins:
                         job.start(self.batch)
-                    else:
-                        job.run(self.backend)
+                    elif not job.run(self.backend):
+                        self.waiting.append(job)      # its next part runs at the next step
                 except CacheFullError as exc:
                     newer = [j for j in self.running if j.order > job.order]
                     if newer:

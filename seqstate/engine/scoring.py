@@ -1,8 +1,9 @@
 """Work that decodes nothing, as scheduler jobs: teacher-forced scoring and next-token
 log-probs.
 
-Each runs whole on the worker between two decode steps, so it is serialised with every other
-call's steps through the scheduler, never beside it under a lock of its own.
+Each runs on the worker in parts between decode steps (`ROWS_PER_STEP` distinct rows a
+part), so it is serialised with every other call's steps through the scheduler, never beside
+it under a lock of its own, and a long scoring call does not stop other calls for its length.
 """
 
 from __future__ import annotations
@@ -19,16 +20,60 @@ __all__ = ["score", "next_logprobs", "BackendJob"]
 
 
 class BackendJob(Job):
-    """``work(backend)`` at once on the worker; its result is the call's."""
+    """Work on the backend in parts, one part per scheduler step (between other calls'
+    decode steps): ``parts[i](backend)`` in turn; the job's result is ``combine`` of their
+    results (by default the one part's result)."""
 
     joins = False
 
-    def __init__(self, work: Callable[[Any], Any]) -> None:
+    def __init__(self, *parts: Callable[[Any], Any],
+                 combine: Callable[[list[Any]], Any] | None = None) -> None:
         super().__init__()
-        self.work = work
+        self.parts = parts
+        self.combine = combine or (lambda results: results[0])
+        self.results: list[Any] = []
 
-    def run(self, backend) -> None:
-        self.finish(self.work(backend))
+    def run(self, backend) -> bool:
+        self.results.append(self.parts[len(self.results)](backend))
+        if len(self.results) < len(self.parts):
+            return False
+        self.finish(self.combine(self.results))
+        return True
+
+
+# distinct rows whose pairs one scheduler step scores: a long scoring call lets other calls
+# decode between its parts (the backend bounds each part's memory by its own budget)
+ROWS_PER_STEP = 64
+
+
+def _parts(keys: Sequence[Any]) -> list[list[int]]:
+    """Indexes of ``keys`` in parts of at most `ROWS_PER_STEP` distinct keys, in order of
+    first appearance (equal keys in the same part)."""
+    distinct = list(dict.fromkeys(keys))
+    part_of = {key: i // ROWS_PER_STEP for i, key in enumerate(distinct)}
+    parts: list[list[int]] = [[] for _ in range(-(-len(distinct) // ROWS_PER_STEP))]
+    for i, key in enumerate(keys):
+        parts[part_of[key]].append(i)
+    return parts
+
+
+def _run_in_parts(model, items: Sequence[Any], keys: Sequence[Any],
+                  work: Callable[[Any, list[Any]], list[Any]]) -> list[Any]:
+    """``work(backend, items)`` over parts of ``items`` grouped by key, one part per step;
+    the results in the order of ``items``."""
+    parts = _parts(keys)
+    if not parts:
+        return []
+
+    def combine(results: list[list[Any]]) -> list[Any]:
+        out: list[Any] = [None] * len(items)
+        for indexes, got in zip(parts, results):
+            for i, value in zip(indexes, got):
+                out[i] = value
+        return out
+
+    steps = [lambda backend, ix=ix: work(backend, [items[i] for i in ix]) for ix in parts]
+    return model.scheduler.run(BackendJob(*steps, combine=combine))
 
 
 def score(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, store: bool = False
@@ -46,10 +91,13 @@ def score(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, store:
     >>> len(yes.logprobs) == len(model.encode(" yes")), yes.handle is None
     (True, True)
     """
-    return model.scheduler.run(BackendJob(lambda backend: backend.score(pairs, store=store)))
+    return _run_in_parts(model, pairs, [tuple(p) for p, _ in pairs],
+                         lambda backend, part: backend.score(part, store=store))
 
 
 def next_logprobs(model, rows: Sequence[Sequence[int]]) -> torch.Tensor:
     """Float32 log-softmax ``(len(rows), V)`` of the next token after each row, on the worker
     (each row's KV stored; see ``Backend.next_logprobs``)."""
-    return model.scheduler.run(BackendJob(lambda backend: backend.next_logprobs(rows)))
+    out = _run_in_parts(model, rows, [tuple(r) for r in rows],
+                        lambda backend, part: list(backend.next_logprobs(part)))
+    return torch.stack(out) if out else torch.empty(0, model.backend.vocab_size)
