@@ -230,3 +230,30 @@ def test_score_on_the_real_model_is_exact(real):
                for c in contexts]
     state = ss.from_tokens(real, [real.encode_prompt(c) for c in contexts])
     _check(real, state, state.score(answers))
+
+
+MEMORY_SCRIPT = """
+import resource
+import seqstate as ss
+m = ss.models.testing.tiny()
+shots = m.encode(" ".join(f"Example {i}: the answer is {i * 7}." for i in range(12)))
+contexts = [shots + m.encode(f" Question {q}: what is {q} plus {q * 3}? Answer:")
+            for q in range(600)]
+options = [[m.encode(f" {q * k + 1} apples and {k} pears") for k in range(4)]
+           for q in range(600)]
+scores = ss.from_tokens(m, contexts).score(options)
+assert scores.sums.shape == (600, 1, 4) and not scores.sums.isnan().any()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def test_600_questions_of_4_options_in_one_call_stay_under_2_gb():
+    """Memory is bounded by the scoring budget, not by the number of pairs: all 2,400 pairs
+    at once would need ~3.8 GB of logits alone (2,400 x 8 positions x 49,152 x 4 bytes)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], capture_output=True,
+                         text=True, check=True, timeout=600)
+    peak_kib = int(out.stdout.split()[-1])
+    assert peak_kib < 2 * 1024 * 1024
