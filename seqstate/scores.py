@@ -46,9 +46,11 @@ class Scores:
     >>> model = ss.models.testing.tiny()
     >>> state = ss.from_tokens(model, [model.encode("The sky is")])
     >>> sc = state.score([" blue", " green today"])
-    >>> sc.sums.shape, len(sc.logprobs[0][0][1]) == len(model.encode(" green today"))
-    (torch.Size([1, 1, 2]), True)
-    >>> sc.best().tolist()                      # per row: the option of highest summed log-prob
+    >>> sc.sums.shape
+    torch.Size([1, 1, 2])
+    >>> len(sc.logprobs[0][0][1]) == len(model.encode(" green today"))
+    True
+    >>> sc.best().tolist()          # per row: the option of highest summed log-prob
     [[0]]
     """
 

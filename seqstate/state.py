@@ -232,7 +232,8 @@ class SequenceState:
         --------
         >>> import seqstate as ss
         >>> model = ss.models.testing.tiny()
-        >>> questions = ss.from_tokens(model, [model.encode("2+2="), model.encode("Sky:")])
+        >>> questions = ss.from_tokens(model, [model.encode("2+2="),
+        ...                                    model.encode("Sky:")])
         >>> sc = questions.score([[" 4", " 5"], [" blue", " red", " wet"]])
         >>> sc.sums.shape, bool(sc.sums[0, 0, 2].isnan())
         (torch.Size([2, 1, 3]), True)

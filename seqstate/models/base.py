@@ -152,7 +152,7 @@ class BaseModel:
         >>> before = model.stats
         >>> with model.frozen_store():
         ...     patched = ss.text(model)(prompt + " and", max_tokens=4)
-        >>> del patched                                       # its scratch KV goes with it
+        >>> del patched                        # its scratch KV goes with it
         >>> model.stats.kv_bytes_cached == before.kv_bytes_cached
         True
         """
