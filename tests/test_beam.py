@@ -112,7 +112,9 @@ def test_option_scoring_prefills_only_options(fresh_tiny):
     before = m.stats
     ss.choice(m, [" yes", " no"], method="score")(s)
     d = m.stats - before
-    assert d.prefill_tokens == 2                # per option row: the state's last token only
+    # the state's last token once: its distribution scores both one-token options, and the
+    # winner's KV (the state's) is already stored
+    assert d.prefill_tokens + d.decode_tokens == 1
 
 
 @pytest.mark.real

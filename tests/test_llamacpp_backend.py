@@ -448,14 +448,16 @@ def test_rows_beyond_n_seq_max_are_refused_before_compute():
     assert m.backend.capabilities.max_rows == 8 - 3
 
 
-@pytest.mark.xfail(strict=True, reason="the beam width is known only to the generator layer, "
-                   "which does not yet check Capabilities.max_rows before compute")
 def test_a_beam_wider_than_n_seq_max_is_refused_before_compute():
     m = ss.models.default(engine="llama.cpp", n_ctx=1024, n_seq_max=8, n_threads=THREADS)
     before = m.stats
     with pytest.raises(ContextOverflowError, match="n_seq_max"):
         ss.text(m)("Once upon a time", max_tokens=8, sampler=ss.beam_search(20))
+    with pytest.raises(ContextOverflowError, match="6 rows"):
+        ss.text(m)(["Once", "upon", "a"], max_tokens=8, sampler=ss.beam_search(2))
     assert m.stats == before
+    assert len(ss.text(m)("Once upon a time", max_tokens=4, sampler=ss.beam_search(2))
+               .token_ids[0]) == 2
 
 
 # -- typed errors before anything is loaded -------------------------------------------------------

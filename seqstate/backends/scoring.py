@@ -27,7 +27,7 @@ import torch
 
 from seqstate.backends.base import Handle, Scored
 
-__all__ = ["score_pairs", "next_logprobs", "last_logprobs", "SCORE_BATCH_TOKENS", "LOGITS_BYTES"]
+__all__ = ["score_pairs", "next_logprobs", "last_logprobs", "store_rows", "SCORE_BATCH_TOKENS", "LOGITS_BYTES"]
 
 SCORE_BATCH_TOKENS = 8192      # KV columns (rows x longest row) one scoring group holds
 LOGITS_BYTES = 1 << 28         # float32 logits alive at once: 256 MiB (1,365 positions of 49k)
@@ -180,3 +180,14 @@ def _continuations(backend: Any, pairs: list[tuple[tuple[int, ...], tuple[int, .
                     handles[j] = batch.commit(slot, tokens, len(tokens) - 1)
         finally:
             batch.close()
+
+
+def store_rows(backend: Any, rows: Sequence[Sequence[int]]) -> list[Handle]:
+    """Pinned handles on each ``row[:-1]``, stored (computing only what the store lacks):
+    a scored choice keeps its winners' KV this way, having scored every option as scratch."""
+    batch = backend.batch()
+    try:
+        slots = batch.add(rows, 0)
+        return [batch.commit(slot, row, len(row) - 1) for slot, row in zip(slots, rows)]
+    finally:
+        batch.close()

@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from seqstate.backends.base import Scored
+from seqstate.backends.base import Handle, Scored
+from seqstate.backends.scoring import store_rows
 from seqstate.engine.job import Job
 
-__all__ = ["score", "next_logprobs", "BackendJob"]
+__all__ = ["score", "next_logprobs", "stored", "BackendJob"]
 
 
 class BackendJob(Job):
@@ -101,3 +102,9 @@ def next_logprobs(model, rows: Sequence[Sequence[int]]) -> torch.Tensor:
     out = _run_in_parts(model, rows, [tuple(r) for r in rows],
                         lambda backend, part: list(backend.next_logprobs(part)))
     return torch.stack(out) if out else torch.empty(0, model.backend.vocab_size)
+
+
+def stored(model, rows: Sequence[Sequence[int]]) -> list[Handle]:
+    """Pinned handles on each ``row[:-1]``'s KV, stored on the worker (computing only what
+    the store lacks)."""
+    return _run_in_parts(model, rows, [tuple(r) for r in rows], store_rows)

@@ -44,6 +44,9 @@ def beam(gen, prompt: Prompt, call: Call, resume: bool) -> SequenceState:
             length = sum(lp is not None for lp in row.logprobs)
             beams.append((requests[i], weight, length, i))
         groups.append(beams)
+    capabilities.check_rows(gen.model, len(groups) * params.width,
+                            f"beam search of width {params.width} over {len(groups)} batch "
+                            f"item(s)")
     width = max(r.max_new for r in requests)
     with progress_bar(call.progress, width, gen.name, "tok") as bar:
         results = final_state(beam_run(gen.model, [[g[:3] for g in beams] for beams in groups],

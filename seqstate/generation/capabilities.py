@@ -19,10 +19,11 @@ runs them where its logits live.
 
 from __future__ import annotations
 
+from seqstate.errors import ContextOverflowError
 from seqstate.models.base import BaseModel
 from seqstate.sampling.params import BeamSearch
 
-__all__ = ["require", "check_call", "check_beam", "check_fork"]
+__all__ = ["require", "check_call", "check_beam", "check_fork", "check_rows"]
 
 def require(model: BaseModel, capability: str, feature: str, instead: str) -> None:
     """Raise `CapabilityError` when ``model``'s engine lacks ``capability``, which
@@ -57,3 +58,15 @@ def check_beam(model: BaseModel, params: BeamSearch) -> None:
     require(model, "prefix_sharing", "beam search", instead)
     if params.width > 1:
         require(model, "batching", f"beam search of width {params.width}", instead)
+
+
+def check_rows(model: BaseModel, rows: int, feature: str) -> None:
+    """``feature`` runs ``rows`` rows at once: refused when the engine holds fewer
+    (`Capabilities.max_rows`; llama.cpp: ``n_seq_max`` - 3)."""
+    caps = model.backend.capabilities
+    if caps.max_rows is not None and rows > caps.max_rows:
+        raise ContextOverflowError(
+            f"{feature} runs {rows} rows at once, but the {caps.name!r} engine of "
+            f"{model.name!r} holds at most {caps.max_rows} (its max_rows; on llama.cpp, "
+            f"n_seq_max - 3): narrow the beam, split the batch, or load the model with a "
+            f"larger n_seq_max")

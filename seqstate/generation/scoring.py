@@ -6,7 +6,7 @@ from typing import Any
 
 from seqstate.call import Call
 from seqstate.constraints import compile as compiled
-from seqstate.engine.scoring import score
+from seqstate.engine.scoring import score, stored
 from seqstate.generation import capabilities, prompts
 from seqstate.generation.generator import Generator
 from seqstate.generation.prompts import Prompt
@@ -45,14 +45,14 @@ class ScoredChoice(Generator):
                          else sum(s.logprobs)) for t, s in zip(self.texts, per)}
             best.append(max(range(n), key=lambda j: total[self.texts[j]]))
             totals.append((total, per))
-        kept = score(self.model, [(r.tokens, self.option_ids[j])
-                                  for r, j in zip(state.rows, best)], store=True)
+        kept = stored(self.model, [r.tokens + tuple(self.option_ids[j])
+                                   for r, j in zip(state.rows, best)])
         rows = []
-        for row, j, (total, per), stored in zip(state.rows, best, totals, kept):
+        for row, j, (total, per), handle in zip(state.rows, best, totals, kept):
             lps = per[j].logprobs
             span = Span(len(row.tokens), len(row.tokens) + len(lps), self, "scored",
                         self.values[j], total, call.name)
-            rows.append(Row(row.tokens + tuple(self.option_ids[j]), stored.handle,
+            rows.append(Row(row.tokens + tuple(self.option_ids[j]), handle,
                             row.logprobs + lps, row.cursors + (None,) * len(lps),
                             row.spans + (span,), row.chat))
         return SequenceState(self.model, tuple(rows), state.n_batch, state.n_samples)
