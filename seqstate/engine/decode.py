@@ -79,11 +79,10 @@ class DecodeJob(Job):
 
     def _draft(self, row: LiveRow) -> tuple[int, ...]:
         """Tokens the row's constraint forces next (speculation), within the row's budget."""
-        draft = getattr(row.cursor, "draft", None) if self.speculate else None
-        if draft is None:
+        if not self.speculate or row.cursor is None:
             return ()
         room = row.req.max_new - (len(row.generated) - row.free) - 1
-        return draft()[:room] if room > 0 else ()
+        return row.cursor.draft()[:room] if room > 0 else ()
 
     def step(self, batch, logits: list[torch.Tensor]) -> bool:
         # position j of every row still following its draft: sample, run hooks, accept; a row

@@ -143,7 +143,7 @@ class Stepper:
 
     def _choose(self, masked: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """The sampler's tokens for ``rows``' masked logits; penalties see the rows' tokens."""
-        if getattr(self.sampler, "needs_history", False):
+        if self.sampler.needs_history:
             history = [(self.rows[i].tokens, self.rows[i].start) for i in rows]
             return self.sampler.choose(masked, self.rng, history)
         return self.sampler.choose(masked, self.rng)

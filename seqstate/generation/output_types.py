@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import functools
 import typing
+import weakref
 from typing import Any
 
 from outlines.backends.llguidance import LLGuidanceLogitsProcessor
@@ -29,6 +30,11 @@ _PY_TYPES = {int: r"-?(0|[1-9][0-9]*)", float: r"-?(0|[1-9][0-9]*)(\.[0-9]+)?",
              bool: r"(true|false)"}
 
 
+# the seqstate model (and its KV store) of each outlines model wrapped: it lives as long as
+# the outlines model does, without writing anything onto the user's object
+_MODELS: weakref.WeakKeyDictionary[Any, Model] = weakref.WeakKeyDictionary()
+
+
 def continuous(generator_or_model: Any, output_type: Any = None) -> Generator:
     """Wrap an outlines 1.x steerable generator, or ``(model, output_type)``, as a seqstate generator.
 
@@ -44,11 +50,11 @@ def continuous(generator_or_model: Any, output_type: Any = None) -> Generator:
         raise TypeError(f"continuous() takes an outlines steerable Generator or (seqstate model, "
                         f"output_type), got {type(gen).__name__}")
     om = gen.model
-    model = getattr(om, "_seqstate_model", None)       # set below on a first wrap of om
+    model = _MODELS.get(om)
     if model is None:
-        model = from_outlines(om)
-        om._seqstate_model = model          # the seqstate model (and its KV store) lives with om
+        model = _MODELS[om] = from_outlines(om)
     return _from_processor(gen.logits_processor, model)
+
 
 
 # -- output types ------------------------------------------------------------------------------
