@@ -105,13 +105,17 @@ def run(fn: Callable[[], list[tuple[float, bool]]]) -> tuple[float, list, int]:
     return seconds, out, rss.peak
 
 
-def seqstate_run(model, instances) -> tuple[float, list, int, int]:
+def seqstate_run(model, instances) -> tuple[float, list, int, int] | Exception:
+    """One cold-store run, or the error it raised (reported in the table, not hidden)."""
     from seqstate.lm_eval import SeqStateLM
 
     model.store.clear()                                   # a cold store: nothing cached
     lm = SeqStateLM(model=model)
     before = model.stats
-    seconds, out, peak = run(lambda: lm.loglikelihood(instances, disable_tqdm=True))
+    try:
+        seconds, out, peak = run(lambda: lm.loglikelihood(instances, disable_tqdm=True))
+    except ss.SeqStateError as exc:
+        return exc
     used = model.stats - before
     return seconds, out, peak, used.prefill_tokens + used.decode_tokens
 
@@ -122,6 +126,7 @@ def task_rows(task: str, model, fast, instances, batch_sizes) -> list[tuple]:
         backend = hf_backend(model, bs)
         seconds, out, peak = run(lambda: backend.loglikelihood(instances, disable_tqdm=True))
         hf_runs.append((seconds, bs, out, peak, backend.fed))
+        print(f"  ({task}: lm-eval HF backend at batch {bs}: {seconds:.1f} s)", flush=True)
         for label, m in (("hf", model), ("llama.cpp", fast)):
             if m is not None:
                 ours[label].append(seqstate_run(m, instances))
@@ -130,6 +135,10 @@ def task_rows(task: str, model, fast, instances, batch_sizes) -> list[tuple]:
     rows = [(f"lm-eval HF backend (best: batch {bs})", seconds, fed, peak,
              accuracy(instances, theirs), 0.0, f"({times})")]
     for label, runs in ours.items():
+        failed = [r for r in runs if isinstance(r, Exception)]
+        if failed:
+            print(f"  seqstate, {label} engine failed: {type(failed[0]).__name__}: {failed[0]}")
+            continue
         if runs:
             t = statistics.median(r[0] for r in runs)
             _, out, peak, tokens = runs[-1]
@@ -161,7 +170,7 @@ def main(model, questions: int | None = None,
         print(f"  ARC-Easy requests not found at {DATA}")
         return
     try:
-        fast = ss.models.default(engine="llama.cpp", n_ctx=8192)
+        fast = ss.models.default(engine="llama.cpp", n_ctx=8192, n_seq_max=256)
     except (ImportError, ss.ModelNotAvailable) as exc:
         print(f"  llama.cpp engine unavailable: {exc}")
         fast = None
