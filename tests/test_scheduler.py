@@ -363,3 +363,11 @@ def test_a_long_scoring_call_lets_other_calls_decode_between_its_parts(fresh_tin
     assert all(b > a for a, b in zip(seen, seen[1:]))       # decode steps ran between parts
     for got, want in zip(parted, whole):
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+
+
+def test_the_worker_calls_the_backends_start_hook_on_its_own_thread(fresh_tiny, monkeypatch):
+    started = []
+    monkeypatch.setattr(fresh_tiny.backend, "on_worker_start",
+                        lambda: started.append(threading.current_thread().name))
+    ss.text(fresh_tiny)("Hello", max_tokens=2)
+    assert len(started) == 1 and started[0].startswith("seqstate-scheduler")

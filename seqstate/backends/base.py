@@ -55,10 +55,11 @@ class Capabilities:
     max_rows
         most working rows one batch can hold at once (None: no fixed limit).
     own_threads
-        the engine computes on CPU threads of its own, so the sampling step (torch ops
-        over a few rows of logits) runs single-threaded on the scheduler's worker instead of
-        waking torch's thread team to compete with the engine's (measured on 2 cores:
-        llama.cpp decode 10-20% slower per token with torch's team spinning beside it).
+        the engine computes on CPU threads of its own; its ``on_worker_start`` then makes the
+        sampling step (torch ops over a few rows of logits) run single-threaded on the
+        scheduler's worker instead of waking torch's thread team to compete with the
+        engine's (measured on 2 cores: llama.cpp decode 10-20% slower per token with torch's
+        team spinning beside it).
     """
 
     name: str
@@ -234,6 +235,11 @@ class Backend(Protocol):
         """Add to the work counters (the model's ``stats``)."""
         for name, value in deltas.items():
             self.counters[name] += value
+
+    def on_worker_start(self) -> None:
+        """Called on the scheduler's worker thread when it starts, before any step: per-thread
+        setup (an engine computing on threads of its own makes torch single-threaded there,
+        `single_threaded_torch`).  Nothing by default."""
 
 
 def openmp() -> ctypes.CDLL | None:

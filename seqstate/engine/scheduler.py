@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from seqstate.backends.base import single_threaded_torch
 from seqstate.engine.job import Job
 from seqstate.engine.running import _Run
 
@@ -129,8 +128,7 @@ class Scheduler:
     def _serve(self) -> None:
         run: _Run | None = None
         try:
-            if self.model.backend.capabilities.own_threads:
-                single_threaded_torch()
+            self.model.backend.on_worker_start()
             run = _Run(self.model.backend)
             while True:
                 with self._cv:

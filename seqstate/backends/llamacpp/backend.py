@@ -55,7 +55,8 @@ from pathlib import Path
 import llama_cpp as ll
 import torch
 
-from seqstate.backends.base import CacheFullError, Capabilities, Scored
+from seqstate.backends.base import (CacheFullError, Capabilities, Scored,
+                                    single_threaded_torch)
 from seqstate.backends.llamacpp.store import SeqHandle, SeqStore
 from seqstate.backends.prefixes import common_prefix, ensure_stored
 from seqstate.backends.scoring import next_logprobs, score_pairs
@@ -196,6 +197,12 @@ class LlamaCppBackend:
         """Add to the work counters (the model's ``stats``)."""
         for key, value in deltas.items():
             self.counters[key] += value
+
+    def on_worker_start(self) -> None:
+        """llama.cpp computes on threads of its own: the sampling step on the scheduler's
+        worker (torch ops over a few rows of logits) runs single-threaded, so torch's thread
+        team does not compete with llama.cpp's (see ``Capabilities.own_threads``)."""
+        single_threaded_torch()
 
     # -- decoding -----------------------------------------------------------------------------
     def _run(self, tokens: list[int], positions: list[int], seqs: list[int],
