@@ -53,7 +53,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
-__all__ = ["Node", "PinnedPrefix", "RadixTree"]
+__all__ = ["Node", "PinnedPrefix", "RadixTree", "RadixStore"]
 
 
 class Node:
@@ -386,3 +386,22 @@ class RadixTree(Generic[N]):
                                f"{parent.start + node.offset}")
         if parent.child(node.offset, node.tokens[0]) is not node:
             raise RuntimeError(f"node {node!r} is not linked from its parent")
+
+
+class RadixStore:
+    """What every engine's store on the tree shares: ``tree``, its ``lock``, and the freeze
+    behind ``model.frozen_store()``."""
+
+    def __init__(self, tree: RadixTree) -> None:
+        self.tree = tree
+        self.lock = tree.lock
+
+    @property
+    def frozen(self) -> bool:
+        """Whether a ``frozen_store()`` block is open: what is computed now is scratch."""
+        return self.tree.frozen > 0
+
+    def freeze(self) -> contextlib.AbstractContextManager[None]:
+        """A block (re-entrant, any thread) during which nothing is stored: see
+        ``model.frozen_store()``."""
+        return self.tree.freeze()

@@ -40,7 +40,7 @@ def assert_same_store(before, after):
     assert after[1] == before[1]
     assert after[0].keys() == before[0].keys()
     for path, kv in before[0].items():
-        assert torch.equal(after[0][path], kv), f"the KV of a stored path of {len(path)} tokens changed"
+        assert torch.equal(after[0][path], kv), f"the KV of a {len(path)}-token path changed"
 
 
 def steer(model, after: int, scale: float = 20.0, layer: int = 0):
@@ -314,3 +314,54 @@ def test_activation_patching_on_the_default_model(real):
     assert patched.token_ids[0][0] == greedy
     del patched
     assert_same_store(before, store_snapshot(real))
+
+
+# -- llama.cpp: frozen_store() only stops writes ----------------------------------------------
+
+def llama_snapshot(model):
+    """The stored paths, the store's counters and its free sequences, after a full check."""
+    gc.collect()
+    model.backend.verify()
+    store = model.store
+    with store.lock:
+        paths = {(node.start, node.tokens) for node in store.tree.nodes()}
+    s = model.stats
+    return paths, (s.kv_bytes_cached, s.segments, s.evictions, store.cells, store.free_seqs)
+
+
+def fresh_greedy(model, tokens, n):
+    """Greedy ``n`` tokens from the engine's own fresh evaluation (no stored KV)."""
+    tokens = list(tokens)
+    for _ in range(n):
+        tokens.append(int(model.full_logits(tokens)[-1].argmax()))
+    return tokens
+
+
+def test_on_llama_cpp_frozen_store_stores_nothing(llama):
+    model = llama
+    prefix = ss.text(model)(PROMPT, max_tokens=4)
+    before = llama_snapshot(model)
+    shared = " ".join(["a long shared preamble that is not stored yet"] * 3)
+    with model.frozen_store():
+        more = ss.text(model)(prefix + " and then", max_tokens=5)
+        forks = ss.text(model)(prefix[..., :-2], num_samples=3, sampler=ss.multinomial(),
+                               seed=0, max_tokens=3)
+        pair = ss.text(model)([shared + " one", shared + " two"], max_tokens=3)
+        scores = prefix.score([" yes", " no"])
+        model.backend.verify()                         # scratch paths are checked too
+    assert model.store.free_seqs < before[1][-1]       # `more`, `forks`, `pair` hold scratch
+    model.backend.verify()
+    tokens = (prefix + " and then").token_ids[0][0]
+    assert more.token_ids[0][0] == fresh_greedy(model, tokens, 5)
+    for row, text in zip(pair.token_ids, [shared + " one", shared + " two"]):
+        assert row[0] == fresh_greedy(model, model.encode_prompt(text), 3)
+    assert forks.shape == (1, 3) and len(scores.sums[0][0]) == 2
+    del more, forks, pair, scores
+    assert llama_snapshot(model) == before
+
+    # the same call outside the block recomputes what the scratch paths held, and stores it
+    work, stored = model.stats, model.store.match(tokens).length
+    again = ss.text(model)(prefix + " and then", max_tokens=5)
+    assert again.token_ids[0][0] == fresh_greedy(model, tokens, 5)
+    assert model.stats.prefill_tokens - work.prefill_tokens == len(tokens) - 1 - stored
+    assert model.store.match(again.token_ids[0][0]).length > stored

@@ -45,9 +45,9 @@ def ensure_stored(store: Any, rows: Sequence[Sequence[int]],
 
     ``run_tails(todo)`` computes the uncached tail of each ``(target, stored handle)`` and
     returns pinned handles on the stored targets, one per item of ``todo``, in its order
-    (they are the only way to this call's scratch KV, which no match finds).  The last token of each row is left for
-    the first decode step, which produces its logits.  ``cached_tokens_reused`` counts the
-    tokens of distinct rows already stored at the start.
+    (they are the only way to this call's scratch KV, which no match finds).  The last token
+    of each row is left for the first decode step, which produces its logits.
+    ``cached_tokens_reused`` counts the tokens of distinct rows already stored at the start.
     """
     targets = [tuple(r[:-1]) for r in rows]
     unique = list(dict.fromkeys(targets))

@@ -16,12 +16,11 @@ its handles work, but no match finds it and it goes with its last handle.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import torch
 
-from seqstate.radix import Node, PinnedPrefix, RadixTree
+from seqstate.radix import Node, PinnedPrefix, RadixStore, RadixTree
 
 __all__ = ["Segment", "KVHandle", "KVStore", "DEFAULT_BUDGET_BYTES"]
 
@@ -63,8 +62,9 @@ class KVHandle(PinnedPrefix):
         return out
 
 
-class KVStore:
+class KVStore(RadixStore):
     """The per-model radix store.  Thread-safe; every public method takes the tree's lock.
+    ``frozen`` while a ``frozen_store()`` block is open (`seqstate.radix.RadixStore`).
 
     Parameters
     ----------
@@ -85,9 +85,8 @@ class KVStore:
     """
 
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
+        super().__init__(RadixTree(Segment(None, 0, (), None), KVHandle))
         self.budget_bytes = budget_bytes
-        self.tree: RadixTree[Segment] = RadixTree(Segment(None, 0, (), None), KVHandle)
-        self.lock = self.tree.lock
 
     # -- accounting ---------------------------------------------------------------------------
     @property
@@ -110,16 +109,6 @@ class KVStore:
     def bytes_scratch(self) -> int:
         """Bytes of live scratch segments (pinned by states made inside ``frozen_store()``)."""
         return self.tree.scratch_size
-
-    @property
-    def frozen(self) -> bool:
-        """Whether a ``frozen_store()`` block is open: new KV goes to scratch segments."""
-        return self.tree.frozen > 0
-
-    def freeze(self) -> contextlib.AbstractContextManager[None]:
-        """A block (re-entrant, any thread) during which nothing is stored: see
-        ``model.frozen_store()``."""
-        return self.tree.freeze()
 
     # -- lookup and insertion -----------------------------------------------------------------
     def match(self, tokens: Sequence[int], limit: int | None = None) -> KVHandle:

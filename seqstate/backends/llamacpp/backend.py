@@ -256,6 +256,7 @@ class LlamaCppBackend:
         """Compute every row's uncached tail (rows packed into shared decodes, a sequence per
         row sharing its stored cells); store them.  On failure the sequences go back."""
         targets, handles = [t for t, _ in todo], [h for _, h in todo]
+        scratch = self.store.frozen           # read before the decode: what it computes is scratch
         seqs = self._fork(handles)
         try:
             tokens, positions, owners = _tails(targets, [h.length for h in handles], seqs)
@@ -264,7 +265,8 @@ class LlamaCppBackend:
             self._release(seqs)
             raise
         self.count(prefill_tokens=len(tokens))
-        return [self.store.insert(t, len(t), seq) for t, seq in zip(targets, seqs)]
+        return [self.store.insert(t, len(t), seq, scratch=scratch or h.node.scratch)
+                for t, h, seq in zip(targets, handles, seqs)]
 
     def _fork(self, handles: Sequence[SeqHandle]) -> list[int]:
         """A new sequence per handle, holding its KV (shared cells)."""

@@ -22,13 +22,24 @@ def _orphan(store: SeqStore, slots: dict[int, _Slot]) -> None:
     store.release_later([s.seq for s in slots.values() if s.seq is not None])
 
 
+def _scratch_from(handle: SeqHandle) -> int | None:
+    """The first position of ``handle``'s path that is scratch, or None."""
+    node, first = handle.node, None
+    while node.scratch:
+        first, node = node.start, node.parent
+    return first
+
+
 class _Slot:
-    """A working row: its own sequence, or (``seq`` None) a borrowed stored handle."""
+    """A working row: its own sequence, or (``seq`` None) a borrowed stored handle.
+    ``scratch``: its first position whose KV is scratch (computed inside ``frozen_store()``,
+    or below a scratch handle), if any."""
 
-    __slots__ = ("base", "length", "seq")
+    __slots__ = ("base", "length", "scratch", "seq")
 
-    def __init__(self, seq: int | None, base: SeqHandle | None, length: int) -> None:
-        self.seq, self.base, self.length = seq, base, length
+    def __init__(self, seq: int | None, base: SeqHandle | None, length: int,
+                 scratch: int | None) -> None:
+        self.seq, self.base, self.length, self.scratch = seq, base, length, scratch
 
 
 class LlamaCppBatch:
@@ -55,9 +66,10 @@ class LlamaCppBatch:
         except KeyError:
             raise KeyError(f"slot {slot} is not in this batch (released, or never added)") from None
 
-    def _new(self, seq: int | None, base: SeqHandle | None, length: int) -> int:
+    def _new(self, seq: int | None, base: SeqHandle | None, length: int,
+             scratch: int | None = None) -> int:
         slot, self._next_id = self._next_id, self._next_id + 1
-        self._slots[slot] = _Slot(seq, base, length)
+        self._slots[slot] = _Slot(seq, base, length, scratch)
         return slot
 
     def _own(self, s: _Slot) -> int:
@@ -70,7 +82,7 @@ class LlamaCppBatch:
         """New slots holding each ``row[:-1]``'s KV, computing only uncached tails."""
         with self._backend.guarded():
             handles = self._backend._ensure_kv(rows, extra)
-            return [self._new(None, h, h.length) for h in handles]
+            return [self._new(None, h, h.length, _scratch_from(h)) for h in handles]
 
     def forward(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         """Feed ``tokens[j]`` to ``slots[j]`` in one ``llama_decode``; logits (len(slots), V)."""
@@ -93,6 +105,9 @@ class LlamaCppBatch:
                         f"llama.cpp context's n_ctx={n_ctx}; create the backend with a larger "
                         "n_ctx")
             seqs = [self._own(s) for s in rows]
+            if self._store.frozen:            # before the decode: what it computes is scratch
+                for s in rows:
+                    s.scratch = s.length if s.scratch is None else s.scratch
             tokens = [t for f in feeds for t in f]
             positions = [s.length + j for s, f in zip(rows, feeds) for j in range(len(f))]
             owners = [seq for seq, f in zip(seqs, feeds) for _ in f]
@@ -116,16 +131,18 @@ class LlamaCppBatch:
             else:
                 self._llama.seq_rm(s.seq, length, -1)
             s.length = length
+            if s.scratch is not None and s.scratch >= length:
+                s.scratch = None
 
     def fork(self, slot: int) -> int:
         """A new slot continuing ``slot``: the same cells, tagged with one more sequence."""
         with self._backend.guarded():
             s = self._slot(slot)
             if s.seq is None:
-                return self._new(None, s.base, s.length)
+                return self._new(None, s.base, s.length, s.scratch)
             seq = self._store.acquire()
             self._llama.seq_cp(s.seq, seq, -1, -1)
-            return self._new(seq, None, s.length)
+            return self._new(seq, None, s.length, s.scratch)
 
     def release(self, slot: int) -> None:
         """Drop the slot; its own sequence goes back (cells other sequences tag stay)."""
@@ -140,6 +157,9 @@ class LlamaCppBatch:
             s = self._slot(slot)
             if not 0 <= length <= s.length:
                 raise ValueError(f"slot {slot} holds {s.length} tokens, cannot commit {length}")
+            scratch = s.scratch is not None and s.scratch < length
+            if s.seq is None and scratch:
+                return s.base.prefix(length)                    # a scratch path: borrowed
             found = self._store.match(tokens, length)
             if found.length == length:
                 if s.seq is not None and length == s.length:
@@ -152,12 +172,12 @@ class LlamaCppBatch:
                                    f"those committed")
             if length == s.length:
                 # the slot's sequence becomes the carrier; the slot borrows the stored path
-                handle = self._store.insert(tokens, length, s.seq)
+                handle = self._store.insert(tokens, length, s.seq, scratch=scratch)
                 s.seq, s.base = None, handle
                 return handle
             copy = self._store.acquire()
             self._llama.seq_cp(s.seq, copy, 0, length)
-            return self._store.insert(tokens, length, copy)
+            return self._store.insert(tokens, length, copy, scratch=scratch)
 
     def close(self) -> None:
         """Release every slot; committed KV stays in the store."""

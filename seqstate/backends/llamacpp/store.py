@@ -1,9 +1,9 @@
 """A token-level radix store over llama.cpp sequences (the llama.cpp engine's KV store).
 
 With a *unified* KV cache every cell of llama.cpp's cache carries a set of sequence ids, and
-``seq_cp`` only adds an id to cells (no data is copied).  The store keeps a radix tree of token
-spans, as `seqstate.kv.store` does for torch segments: a `Node` hangs off its parent
-after ``offset`` of the parent's tokens.  Its KV is not held in Python but in cells tagged with
+``seq_cp`` only adds an id to cells (no data is copied).  The store keeps its paths on the
+radix tree every engine shares (`seqstate.radix`): a `SeqNode` hangs off its parent after
+``offset`` of the parent's tokens.  Its KV is not held in Python but in cells tagged with
 llama.cpp sequence ids, the *carriers*:
 
 - every node without a child hanging at its very end has exactly one carrier, a sequence whose
@@ -15,24 +15,26 @@ prefix shared by eight stored rows occupies its cells once.  Sequence ids are a 
 (``n_seq_max``) shared between carriers and the engine's working rows, which borrow ids with
 `SeqStore.acquire()` and hand them back with `SeqStore.release()` or `SeqStore.insert()`.
 
-Handles (`SeqHandle`) pin a node like `seqstate.kv.store.KVHandle` pins a segment.
+Handles (`SeqHandle`) pin a node like `seqstate.backends.hf.store.KVHandle` pins a segment.
 Unpinned leaves are evicted least-recently-used when sequence ids or cells run out; evicting a
 leaf hands its carrier, cut back, to a parent that would otherwise lose its last carrier, so a
 pinned handle's tokens always stay in some carrier.
+
+Inside ``model.frozen_store()`` a row's path is inserted as a *scratch* node of the tree: its
+own carrier holds its whole path, no match finds it, and its sequence (with its cells) goes
+back to the pool once no handle pins it.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
-import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from seqstate.backends.base import CacheFullError
-from seqstate.kv.handle import PinnedPrefix
+from seqstate.radix import Node, PinnedPrefix, RadixStore, RadixTree
 
-__all__ = ["Memory", "Node", "SeqHandle", "SeqStore"]
+__all__ = ["Memory", "SeqNode", "SeqHandle", "SeqStore"]
 
 
 class Memory(Protocol):
@@ -51,33 +53,23 @@ class Memory(Protocol):
     def seq_pos_max(self, seq: int) -> int: ...
 
 
-class Node:
-    """A span of stored tokens; its KV lives in llama.cpp cells tagged by carrier sequences."""
+class SeqNode(Node):
+    """A span of stored tokens; its KV lives in llama.cpp cells tagged by carrier sequences.
+    Accounted by its cells (`Node.weight`: one per token)."""
 
-    __slots__ = ("__weakref__", "carrier", "children", "last_used", "offset", "parent", "pins",
-                 "start", "tokens")
+    __slots__ = ("carrier",)
 
-    def __init__(self, parent: Node | None, offset: int, tokens: tuple[int, ...]) -> None:
-        self.parent = parent
-        self.offset = offset                          # parent tokens that precede this node
-        self.start = 0 if parent is None else parent.start + offset
-        self.tokens = tokens
-        self.children: dict[int, dict[int, Node]] = {}   # offset -> first token -> child
+    def __init__(self, parent: SeqNode | None, offset: int, tokens: tuple[int, ...]) -> None:
+        super().__init__(parent, offset, tokens)
         self.carrier: int | None = None               # seq holding exactly [0, end), if any
-        self.pins = 0
-        self.last_used = 0
 
-    @property
-    def end(self) -> int:
-        return self.start + len(self.tokens)
-
-    def end_child(self) -> Node | None:
+    def end_child(self) -> SeqNode | None:
         """A child hanging at this node's end (its subtree carries this node), if any."""
         group = self.children.get(len(self.tokens))
         return next(iter(group.values())) if group else None
 
     def __repr__(self) -> str:
-        return (f"Node(start={self.start}, len={len(self.tokens)}, carrier={self.carrier}, "
+        return (f"SeqNode(start={self.start}, len={len(self.tokens)}, carrier={self.carrier}, "
                 f"pins={self.pins})")
 
 
@@ -91,7 +83,7 @@ class SeqHandle(PinnedPrefix):
     __slots__ = ()
 
 
-class SeqStore:
+class SeqStore(RadixStore):
     """The radix tree, the pool of sequence ids and the LRU eviction of unpinned leaves.
 
     Parameters
@@ -119,33 +111,31 @@ class SeqStore:
     def __init__(self, memory: Memory, seq_ids: Iterable[int], overflow_hint: str = "") -> None:
         self.memory = memory
         self.overflow_hint = overflow_hint
-        self.root = Node(None, 0, ())
-        self.lock = threading.RLock()
-        self.evictions = 0
+        super().__init__(RadixTree(SeqNode(None, 0, ()), SeqHandle, release=self._scratch_gone))
         self._all = frozenset(seq_ids)
         self._free = sorted(self._all, reverse=True)  # a stack: freed ids are reused first
         self._lent: set[int] = set()
-        self._carriers: dict[int, Node] = {}
+        self._carriers: dict[int, SeqNode] = {}       # of stored nodes and live scratch ones
         self._orphans: collections.deque[int] = collections.deque()
-        self._tick = itertools.count(1)
-        self._cells = 0
-        self._held = 0
-        self._nodes = 0
 
     # -- accounting ---------------------------------------------------------------------------
     @property
     def cells(self) -> int:
         """Cells of every stored token (each shared prefix counted once)."""
-        return self._cells
+        return self.tree.size
 
     @property
     def held_cells(self) -> int:
         """Cells of nodes pinned by a live handle (as the HF store counts pinned segments)."""
-        return self._held
+        return self.tree.held
 
     @property
     def num_nodes(self) -> int:
-        return self._nodes
+        return self.tree.count
+
+    @property
+    def evictions(self) -> int:
+        return self.tree.evictions
 
     @property
     def free_seqs(self) -> int:
@@ -155,12 +145,6 @@ class SeqStore:
     def capacity(self) -> int:
         """Sequence ids this store manages (carriers and lent rows together)."""
         return len(self._all)
-
-    def _pin(self, node: Node, delta: int) -> None:
-        with self.lock:
-            if (node.pins == 0) != (node.pins + delta == 0):
-                self._held += len(node.tokens) if delta > 0 else -len(node.tokens)
-            node.pins += delta
 
     # -- sequence ids -------------------------------------------------------------------------
     def acquire(self) -> int:
@@ -203,30 +187,11 @@ class SeqStore:
         return frozenset(self._lent)
 
     # -- lookup -------------------------------------------------------------------------------
-    def _walk(self, tokens: Sequence[int], limit: int) -> tuple[Node, int]:
-        node, rel, pos = self.root, 0, 0
-        tick = next(self._tick)
-        node.last_used = tick
-        while pos < limit:
-            tok = tokens[pos]
-            if rel < len(node.tokens) and node.tokens[rel] == tok:
-                rel += 1
-                pos += 1
-                continue
-            nxt = node.children.get(rel, {}).get(tok)
-            if nxt is None:
-                break
-            node, rel = nxt, 0
-            node.last_used = tick
-        return node, rel
-
     def match(self, tokens: Sequence[int], limit: int | None = None) -> SeqHandle:
         """A handle on the longest prefix of ``tokens[:limit]`` whose KV is stored."""
-        with self.lock:
-            node, rel = self._walk(tokens, len(tokens) if limit is None else limit)
-            return SeqHandle(self, node, rel)
+        return self.tree.match(tokens, limit)
 
-    def carrier(self, node: Node) -> int:
+    def carrier(self, node: SeqNode) -> int:
         """A sequence whose cells hold the whole path root -> ``node``'s end."""
         while node.carrier is None:
             child = node.end_child()
@@ -242,41 +207,59 @@ class SeqStore:
                 self.memory.seq_cp(self.carrier(handle.node), seq, 0, handle.length)
 
     # -- insertion ----------------------------------------------------------------------------
-    def insert(self, tokens: Sequence[int], n: int, seq: int) -> SeqHandle:
+    def insert(self, tokens: Sequence[int], n: int, seq: int, *, scratch: bool = False
+               ) -> SeqHandle:
         """Store ``tokens[:n]``, whose KV the lent sequence ``seq`` holds at positions ``[0, n)``.
 
         ``seq`` goes back to the store: it becomes the carrier of the new node, or is released
         when every token was stored already.  Tokens already stored are relinked to the stored
         cells, so each prefix occupies its cells once.  Returns a handle on ``n`` tokens.
+        With ``scratch`` (KV computed inside ``frozen_store()``), or while the store is frozen,
+        ``seq`` carries a scratch node instead, which no match finds and which goes (with its
+        sequence) when its last handle does.
         """
         with self.lock:
             if seq not in self._lent:
                 raise RuntimeError(f"sequence {seq} is not lent out")
-            node, rel = self._walk(tokens, n)
+            node, rel = self.tree.walk(tokens, n)
             m = node.start + rel
             if m == n:
-                handle = SeqHandle(self, node, rel)
+                handle = self.tree.handle(node, rel)
                 self.release(seq)
                 return handle
+            if scratch or self.frozen:
+                return self._carry(self.tree.scratch, SeqNode(node, rel, tuple(tokens[m:n])), seq)
             if m:
                 # drop this row's own copy of the stored prefix and share the stored cells
                 self.memory.seq_rm(seq, 0, m)
                 self.memory.seq_cp(self.carrier(node), seq, 0, m)
-            child = Node(node, rel, tuple(tokens[m:n]))
-            child.last_used = next(self._tick)
-            node.children.setdefault(rel, {})[child.tokens[0]] = child
-            self._lent.discard(seq)
-            self._set_carrier(child, seq)
+            handle = self._carry(self._attach, SeqNode(node, rel, tuple(tokens[m:n])), seq)
             if node.carrier is not None and rel == len(node.tokens):
                 # the child's carrier now holds the node's whole path: the old one is redundant
                 old = node.carrier
                 self._set_carrier(node, None)
                 self._drop(old)
-            self._cells += len(child.tokens)
-            self._nodes += 1
-            return SeqHandle(self, child, len(child.tokens))
+            return handle
 
-    def _set_carrier(self, node: Node, seq: int | None) -> None:
+    def _attach(self, node: SeqNode) -> SeqHandle:
+        return self.tree.handle(self.tree.attach(node), len(node.tokens))
+
+    def _carry(self, link, node: SeqNode, seq: int) -> SeqHandle:
+        """``link(node)`` (attach, or hang as scratch) with the lent ``seq`` as its carrier."""
+        handle = link(node)
+        self._lent.discard(seq)
+        self._set_carrier(node, seq)
+        return handle
+
+    def _scratch_gone(self, node: SeqNode) -> None:
+        # the tree calls this under the lock, maybe from a handle's finalizer while llama.cpp
+        # decodes on another thread: the sequence is freed at the next store operation
+        seq = node.carrier
+        self._set_carrier(node, None)
+        self._lent.add(seq)
+        self._orphans.append(seq)
+
+    def _set_carrier(self, node: SeqNode, seq: int | None) -> None:
         if node.carrier is not None:
             del self._carriers[node.carrier]
         node.carrier = seq
@@ -284,33 +267,18 @@ class SeqStore:
             self._carriers[seq] = node
 
     # -- eviction -----------------------------------------------------------------------------
-    def _nodes_iter(self) -> Iterator[Node]:
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            yield node
-            for group in node.children.values():
-                stack.extend(group.values())
-
     def evict_one(self) -> bool:
         """Drop the least recently used unpinned leaf; False when every leaf is pinned."""
         with self.lock:
-            leaves = [n for n in self._nodes_iter()
-                      if n.parent is not None and not n.children and n.pins == 0]
-            if not leaves:
+            leaf = self.tree.lru_leaf()
+            if leaf is None:
                 return False
-            leaf = min(leaves, key=lambda n: n.last_used)
             parent = leaf.parent
-            group = parent.children[leaf.offset]
-            del group[leaf.tokens[0]]
-            if not group:
-                del parent.children[leaf.offset]
             seq = leaf.carrier
             self._set_carrier(leaf, None)
-            self._cells -= len(leaf.tokens)
-            self._nodes -= 1
-            self.evictions += 1
-            if parent is not self.root and parent.carrier is None and parent.end_child() is None:
+            self.tree.remove(leaf)
+            if parent is not self.tree.root and parent.carrier is None \
+                    and parent.end_child() is None:
                 # the leaf hung at the parent's end and was its last carrier: cut it back to it
                 self.memory.seq_rm(seq, parent.end, -1)
                 self._set_carrier(parent, seq)
@@ -333,18 +301,7 @@ class SeqStore:
         """
         with self.lock:
             self._drain_orphans()
-            cells = held = count = 0
-            for node in self._nodes_iter():
-                if node.parent is None:
-                    continue
-                count += 1
-                cells += len(node.tokens)
-                held += len(node.tokens) if node.pins > 0 else 0
-                self._verify_node(node)
-            if (cells, held, count) != (self._cells, self._held, self._nodes):
-                raise RuntimeError(f"accounting drift: tree has {cells} cells / {held} held / "
-                                   f"{count} nodes, counters say {self._cells} / {self._held} / "
-                                   f"{self._nodes}")
+            self.tree.verify(self._verify_node)
             ids = [*self._free, *self._lent, *self._carriers]
             if len(ids) != len(set(ids)) or set(ids) != self._all:
                 raise RuntimeError(f"sequence id pool drift: free {sorted(self._free)}, lent "
@@ -352,19 +309,18 @@ class SeqStore:
             for seq in self._free:
                 if self.memory.seq_pos_max(seq) != -1:
                     raise RuntimeError(f"free sequence {seq} still holds cells")
+            for node in self._carriers.values():
+                if node.scratch:
+                    self._verify_carrier(node)
 
-    def _verify_node(self, node: Node) -> None:
-        parent = node.parent
-        if node.pins < 0 or not node.tokens:
-            raise RuntimeError(f"corrupt node {node!r}")
-        if not 0 < node.offset <= len(parent.tokens) and parent is not self.root:
-            raise RuntimeError(f"node {node!r} hangs outside its parent")
-        if parent.children.get(node.offset, {}).get(node.tokens[0]) is not node:
-            raise RuntimeError(f"node {node!r} is not linked from its parent")
+    def _verify_node(self, node: SeqNode) -> None:
         if node.carrier is None:
             if node.end_child() is None:
                 raise RuntimeError(f"node {node!r} has neither a carrier nor a child at its end")
             return
+        self._verify_carrier(node)
+
+    def _verify_carrier(self, node: SeqNode) -> None:
         if self._carriers.get(node.carrier) is not node:
             raise RuntimeError(f"carrier map disagrees for {node!r}")
         lo = self.memory.seq_pos_min(node.carrier)
