@@ -464,8 +464,7 @@ def test_a_beam_wider_than_n_seq_max_is_refused_before_compute():
 
 @pytest.fixture
 def nothing_loads(monkeypatch):
-    """Fail the test if llama.cpp is reached, or the GGUF tokenizer reader from the loader
-    (``default()`` reads its tokenizer, from a cache, before it calls the loader)."""
+    """Fail the test if llama.cpp is reached, or a tokenizer is read by the loaders."""
     from seqstate.backends.llamacpp import backend as engine
     from seqstate.models import loading
 
@@ -473,7 +472,8 @@ def nothing_loads(monkeypatch):
         raise AssertionError("loaded before the arguments were checked")
 
     monkeypatch.setattr(engine, "Llama", refuse)
-    return lambda: monkeypatch.setattr(loading, "gguf_tokenizer", refuse)
+    monkeypatch.setattr(loading, "gguf_tokenizer", refuse)
+    monkeypatch.setattr(loading, "default_tokenizer", refuse)
 
 
 @pytest.mark.parametrize("options, word", [
@@ -488,14 +488,12 @@ def test_bad_loader_options_are_typed_errors(nothing_loads, options, word):
     if "bogus" not in options:
         with pytest.raises(ArgumentError, match=word):
             LlamaCppBackend(_gguf(), **options)
-    nothing_loads()
     with pytest.raises(ArgumentError, match=word) as err:
         ss.models.llamacpp(_gguf(), **options)
     assert isinstance(err.value, ss.SeqStateError)
 
 
 def test_a_file_that_is_not_gguf_is_refused_before_llama_cpp_reads_it(nothing_loads, tmp_path):
-    nothing_loads()
     for name, content in [("model.safetensors", b"\x08\x00\x00\x00{}"), ("empty.gguf", b""),
                           ("notes.gguf", b"hello, not a model")]:
         path = tmp_path / name
@@ -506,3 +504,18 @@ def test_a_file_that_is_not_gguf_is_refused_before_llama_cpp_reads_it(nothing_lo
             LlamaCppBackend(path)
     with pytest.raises(ModelNotAvailable, match="no GGUF file"):
         ss.models.llamacpp(tmp_path / "missing.gguf")
+
+
+def test_quiet_logs_is_an_option(monkeypatch):
+    """llama.cpp's log callback is process-wide: the engine silences it unless told not to."""
+    from seqstate.backends.llamacpp import native
+
+    silenced, real = [], native.quiet_logs
+    monkeypatch.setattr(native, "quiet_logs", lambda: silenced.append(True))
+    try:
+        ss.models.llamacpp(_gguf(), n_ctx=256, n_threads=1, quiet_logs=False)
+        assert silenced == []
+        ss.models.llamacpp(_gguf(), n_ctx=256, n_threads=1)
+        assert silenced == [True]
+    finally:
+        real()                           # the rest of the session stays quiet

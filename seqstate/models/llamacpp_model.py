@@ -57,13 +57,14 @@ class LlamaCppModel(BaseModel):
     """
 
     def __init__(self, path: str | os.PathLike, hf_tokenizer: Any, *, n_ctx: int = 4096,
-                 n_threads: int | None = None, n_seq_max: int = 64, name: str | None = None) -> None:
+                 n_threads: int | None = None, n_seq_max: int = 64, quiet_logs: bool = True,
+                 name: str | None = None) -> None:
         backend = backend_package()               # ModelNotAvailable before anything else
         super().__init__(hf_tokenizer, name or Path(path).name)
         self.path = Path(path)
         # the backend checks its options and the file before llama.cpp loads anything
         self.backend = backend.LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads,
-                                                n_seq_max=n_seq_max)
+                                                n_seq_max=n_seq_max, quiet_logs=quiet_logs)
         if self.backend.vocab_size < self.vocab.size:
             raise ModelNotAvailable(
                 f"the tokenizer has {self.vocab.size} tokens but {self.path.name} only "

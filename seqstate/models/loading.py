@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import inspect
 import logging
 import os
 import shutil
@@ -205,6 +206,7 @@ def default(*, engine: str = "hf", dtype: torch.dtype = torch.float32,
     if engine not in ENGINES:
         raise ArgumentError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine == "llama.cpp":
+        _check_llamacpp(default_gguf(), llamacpp_options)   # before the tokenizer loads
         return llamacpp(default_gguf(), tokenizer=default_tokenizer(),
                         name="SmolLM2-135M-Instruct (llama.cpp)", **llamacpp_options)
     if llamacpp_options:
@@ -214,16 +216,18 @@ def default(*, engine: str = "hf", dtype: torch.dtype = torch.float32,
 
 
 def llamacpp(path: str | os.PathLike, *, tokenizer: Any = None, n_ctx: int = 4096,
-             n_threads: int | None = None, n_seq_max: int = 64,
+             n_threads: int | None = None, n_seq_max: int = 64, quiet_logs: bool = True,
              name: str | None = None, **unknown: Any) -> BaseModel:
     """A GGUF file on the llama.cpp engine; states, generators and features as on ``hf``.
 
     ``tokenizer`` is a ``transformers`` tokenizer for the same vocabulary; by default it is
     read from the GGUF file itself.  ``n_ctx`` is the number of KV cells shared by every
     stored state and working row; ``n_seq_max`` (4 to 256) the llama.cpp sequences, which
-    bounds the rows of one call to ``n_seq_max - 3``.  Nothing is downloaded.  Unknown
-    keywords, bad values and a file that is not GGUF are refused before anything is loaded
-    (`ArgumentError`, `ModelNotAvailable`).
+    bounds the rows of one call to ``n_seq_max - 3``.  ``quiet_logs`` silences llama.cpp's C
+    log, which is one for the whole process (a ``llama_cpp.Llama`` of your own goes quiet
+    too); ``False`` leaves it as it is.  Nothing is downloaded.  Unknown keywords, bad values
+    and a file that is not GGUF are refused before anything is loaded (`ArgumentError`,
+    `ModelNotAvailable`).
 
     Examples
     --------
@@ -232,20 +236,33 @@ def llamacpp(path: str | os.PathLike, *, tokenizer: Any = None, n_ctx: int = 409
     >>> ss.text(fast)("Hello", max_tokens=4).shape                       # doctest: +SKIP
     (1, 1)
     """
-    from seqstate.models.llamacpp_model import LlamaCppModel, check_arguments
+    from seqstate.models.llamacpp_model import LlamaCppModel
 
+    options = dict(n_ctx=n_ctx, n_threads=n_threads, n_seq_max=n_seq_max)
+    path = _check_llamacpp(path, {**options, **unknown})
+    if tokenizer is None:
+        tokenizer = gguf_tokenizer(path)
+    return LlamaCppModel(path, tokenizer, **options, quiet_logs=quiet_logs, name=name)
+
+
+def _check_llamacpp(path: str | os.PathLike, options: dict[str, Any]) -> Path:
+    """Refuse unknown `llamacpp()` keywords, bad values and a file that is not GGUF, before
+    anything (a tokenizer included) is loaded; the file's path."""
+    from seqstate.models.llamacpp_model import check_arguments
+
+    known = [p.name for p in inspect.signature(llamacpp).parameters.values()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(known))
     if unknown:
-        raise ArgumentError(f"unknown llama.cpp engine options {sorted(unknown)}; the options "
-                            f"are tokenizer, n_ctx, n_threads, n_seq_max and name")
+        raise ArgumentError(f"unknown llama.cpp engine options {unknown}; the options are "
+                            f"{', '.join(known)}")
     path = Path(path)
     if not path.is_file():
         raise ModelNotAvailable(f"no GGUF file at {path}; seqstate never downloads: pass the "
                                 "path of a local .gguf file")
-    check_arguments(path, n_ctx=n_ctx, n_threads=n_threads, n_seq_max=n_seq_max)
-    if tokenizer is None:
-        tokenizer = gguf_tokenizer(path)
-    return LlamaCppModel(path, tokenizer, n_ctx=n_ctx, n_threads=n_threads,
-                         n_seq_max=n_seq_max, name=name)
+    checked = {k: options[k] for k in ("n_ctx", "n_threads", "n_seq_max") if k in options}
+    check_arguments(path, **{"n_ctx": 4096, "n_threads": None, "n_seq_max": 64, **checked})
+    return path
 
 
 def transformers(path_or_id: str | os.PathLike, *, dtype: torch.dtype = torch.float32,

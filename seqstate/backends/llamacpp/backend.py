@@ -137,6 +137,9 @@ class LlamaCppBackend:
         rows (one per row), so at most ``n_seq_max - 3`` rows run at once.
     n_batch : int, default 512
         Most tokens one ``llama_decode`` takes; longer prefills run in several.
+    quiet_logs : bool, default True
+        Silence llama.cpp's C log (one callback for the whole process: a ``llama_cpp.Llama``
+        of your own goes quiet too); False leaves it as it is.
 
     Examples
     --------
@@ -154,12 +157,12 @@ class LlamaCppBackend:
     """
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, n_threads: int | None = None,
-                 n_seq_max: int = 64, n_batch: int = 512) -> None:
+                 n_seq_max: int = 64, n_batch: int = 512, quiet_logs: bool = True) -> None:
         check_options(n_ctx=n_ctx, n_threads=n_threads, n_seq_max=n_seq_max, n_batch=n_batch)
         check_gguf(path)
         threads = n_threads or usable_cores()
         self.n_threads = threads
-        self._llama = Llama(str(Path(path)), n_ctx, threads, n_seq_max, n_batch)
+        self._llama = Llama(str(Path(path)), n_ctx, threads, n_seq_max, n_batch, quiet_logs)
         self.n_ctx = ll.llama_n_ctx(self._llama.ctx)
         self.n_seq_max = n_seq_max
         self.vocab_size = self._llama.vocab_size

@@ -83,8 +83,10 @@ def _free_llama(model: ll.llama_model_p, ctx: ll.llama_context_p, batch: ll.llam
 class Llama:
     """The ctypes side: one model, one context with a unified KV cache, one batch buffer."""
 
-    def __init__(self, path: str, n_ctx: int, n_threads: int, n_seq_max: int, n_batch: int) -> None:
-        quiet_logs()
+    def __init__(self, path: str, n_ctx: int, n_threads: int, n_seq_max: int, n_batch: int,
+                 quiet: bool = True) -> None:
+        if quiet:
+            quiet_logs()
         ll.llama_backend_init()
         self.model = ll.llama_model_load_from_file(path.encode(), ll.llama_model_default_params())
         if not self.model:
