@@ -124,6 +124,39 @@ def test_a_hooked_patching_run_inside_frozen_store_equals_a_manual_hooked_forwar
     model.store.verify()
 
 
+def test_scoring_and_next_logprobs_with_hooks_inside_frozen_store(fresh_tiny):
+    """`state.score` and `state.next_logprobs` on a hooked model: refused outside, equal to
+    the hooked model by hand inside, the store unchanged (even with ``store=True``)."""
+    model = fresh_tiny
+    prefix = ss.text(model)(PROMPT, max_tokens=3)
+    stored = len(prefix.token_ids[0][0]) - 1            # the last token's KV is not stored
+    variants = prefix + [" and the cat", " or a dog"]   # two batch items past the prefix
+    options = [" sat down", " ran"]
+    before = store_snapshot(model)
+    hook = steer(model, after=stored)
+    try:
+        with pytest.raises(ss.ActivationHookError):
+            variants.score(options)
+        with model.frozen_store():
+            scores = variants.score(options, store=True)
+            nexts = variants.next_logprobs()
+        for b, row in enumerate(variants.token_ids):
+            tokens = row[0]
+            want_next = manual_logits(model, tokens)[-1].log_softmax(-1)
+            assert (nexts[b, 0] - want_next).abs().max() < 1e-3
+            for o, option in enumerate(options):
+                ids = model.encode(option)
+                full = manual_logits(model, tokens + ids).log_softmax(-1)
+                want = [float(full[len(tokens) - 1 + j, t]) for j, t in enumerate(ids)]
+                assert scores.logprobs[b][0][o] == pytest.approx(want, abs=1e-4)
+    finally:
+        hook.remove()
+    hooked = scores.sums
+    del scores
+    assert_same_store(before, store_snapshot(model))
+    assert abs(variants.score(options).sums - hooked).max() > 1e-2     # the hook mattered
+
+
 def test_frozen_prefill_of_shared_prefixes_and_chunked_tails_stores_nothing(fresh_tiny,
                                                                           monkeypatch):
     """Rows sharing a long uncached prefix (computed once, as scratch, then continued) and
