@@ -44,6 +44,7 @@ class Tree(RuleBasedStateMachine):
         self.tree = RadixTree(Node(None, 0, ()))
         self.stored = {()}                    # every stored token prefix
         self.handles: list[tuple[PinnedPrefix, tuple[int, ...]]] = []   # with the tokens named
+        self.scratch: list[tuple[PinnedPrefix, tuple[int, ...]]] = []   # handles on scratch nodes
         self.walks: list[tuple[int, tuple[int, ...]]] = []               # (tick, prefix walked)
         self.tick = 0
 
@@ -59,10 +60,25 @@ class Tree(RuleBasedStateMachine):
         first = tokens_to(node, node.start + 1)
         return max(t for t, p in self.walks if p[:len(first)] == first)
 
+    def live_scratch(self):
+        """Every scratch node a live handle reaches (its own node, then scratch ancestors)."""
+        live = {}
+        for h, _ in self.scratch:
+            node = h.node
+            while node.scratch:
+                live[id(node)] = node
+                node = node.parent
+        return list(live.values())
+
+    def pinned(self):
+        """Stored nodes pinned by a handle or by a scratch child hanging off them."""
+        nodes = {id(h.node): h.node for h, _ in self.handles}
+        nodes.update((id(n.parent), n.parent) for n in self.live_scratch()
+                     if not n.parent.scratch)
+        return nodes
+
     def evictable(self):
-        pinned = set()
-        for h, _ in self.handles:
-            pinned.add(id(h.node))
+        pinned = self.pinned()
         return [n for n in self.tree.nodes() if not n.children and id(n) not in pinned]
 
     # -- operations ---------------------------------------------------------------------------
@@ -99,6 +115,29 @@ class Tree(RuleBasedStateMachine):
     def unpin(self, data):
         del self.handles[data.draw(st.integers(0, len(self.handles) - 1))]
 
+    @rule(data=st.data(), extra=TOKENS)
+    def hang_scratch(self, data, extra):
+        """A scratch node below a live handle (stored or scratch), or below the root."""
+        bases = self.handles + self.scratch
+        k = data.draw(st.integers(-1, len(bases) - 1))
+        h, tokens = bases[k] if k >= 0 else (self.tree.match(()), ())
+        s = self.tree.scratch(Node(h.node, h.rel, extra))
+        assert s.node.scratch and s.length == len(tokens) + len(extra)
+        self.scratch.append((s, tokens + extra))
+
+    @precondition(lambda self: self.scratch)
+    @rule(data=st.data())
+    def scratch_prefix_or_unpin(self, data):
+        i = data.draw(st.integers(0, len(self.scratch) - 1))
+        if data.draw(st.booleans()):
+            h, tokens = self.scratch[i]
+            n = data.draw(st.integers(0, len(tokens)))
+            p = h.prefix(n)
+            assert p.length == n and tokens_to(p.node, n) == tokens[:n]
+            (self.scratch if p.node.scratch else self.handles).append((p, tokens[:n]))
+        else:
+            del self.scratch[i]
+
     @rule(n=st.integers(1, 3))
     def evict(self, n):
         for _ in range(n):
@@ -125,15 +164,22 @@ class Tree(RuleBasedStateMachine):
     def consistent(self):
         self.tree.verify()
         assert self.tree.size == len(self.stored) - 1       # one token per stored prefix
-        assert self.tree.held == sum(len(n.tokens) for n in {id(h.node): h.node
-                                                             for h, _ in self.handles}.values()
+        assert self.tree.held == sum(len(n.tokens) for n in self.pinned().values()
                                      if n.parent is not None)
+        live = self.live_scratch()                          # scratch goes with its last pin
+        assert self.tree.scratch_count == len(live)
+        assert self.tree.scratch_size == sum(len(n.tokens) for n in live)
+        assert not any(n.scratch for n in self.tree.nodes())
 
     @invariant()
     def pinned_prefixes_stay(self):
         for h, tokens in self.handles:
             assert tokens in self.stored
             assert h.length == len(tokens) and tokens_to(h.node, h.length) == tokens
+        for h, tokens in self.scratch:                      # readable, never matched
+            assert tokens_to(h.node, h.length) == tokens
+            assert self.tree.match(tokens).length == self.longest(tokens)
+            self.walked(tokens[:self.longest(tokens)])
 
 
 TestTree = Tree.TestCase
@@ -225,3 +271,27 @@ def test_hf_store_accounts_bytes_and_evicts_lru_under_budget():
     assert store.clear() == 5 * per_token and store.bytes_cached == 4 * per_token
     assert [(s.tokens, lo, hi) for s, lo, hi in base.prefix(3).pieces()] == [((1, 2, 3, 4), 0, 3)]
     store.verify()
+
+
+def test_scratch_nodes_are_never_matched_and_go_with_their_last_pin():
+    released = []
+    tree = RadixTree(Node(None, 0, ()), release=released.append)
+    stored = insert(tree, (1, 2, 3))
+    a = tree.scratch(Node(stored.node, 2, (7, 8)))          # 1 2 7 8: below a stored node
+    b = tree.scratch(Node(a.node, 2, (9,)))                 # 1 2 7 8 9: below a scratch one
+    assert tree.match((1, 2, 7, 8, 9)).length == 2          # no walk enters scratch
+    assert (tree.count, tree.size, tree.scratch_count, tree.scratch_size) == (1, 3, 2, 3)
+    with pytest.raises(ValueError):
+        tree.attach(Node(a.node, 1, (5,)))                  # nothing stored below scratch
+    del stored
+    assert tree.lru_leaf() is None                          # the scratch child pins it
+    inner = a.node
+    del a
+    assert tree.scratch_count == 2 and not released         # b still pins its parent
+    del b
+    assert tree.scratch_count == 0 and tree.scratch_size == 0
+    assert [n.tokens for n in released] == [(9,), (7, 8)] and inner in released
+    assert tree.lru_leaf() is not None and tree.held == 0
+    tree.verify()
+    with pytest.raises(ValueError):
+        tree.scratch(Node(inner, 1, (4,)))                  # a released scratch node is gone
