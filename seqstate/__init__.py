@@ -1,6 +1,6 @@
 """seqstate: structured LLM generation on immutable, forkable sequence states."""
 
-from seqstate import backends, constraints, engine, grammars, hooks, kv, models, sampling, viz
+from seqstate import backends, constraints, engine, grammars, hooks, models, sampling, viz
 from seqstate.batch import BatchError, run_batch
 from seqstate.conversation import chat
 from seqstate.errors import (ActivationHookError, ArgumentError, BatchMismatch, CapabilityError,
@@ -16,7 +16,7 @@ from seqstate.state import SequenceState, from_tokens
 __all__ = [
     "SequenceState", "from_tokens", "Scores", "Generator", "text", "choice", "regex", "json", "cfg",
     "continuous", "final_state", "chat", "run_batch", "BatchError", "greedy", "multinomial", "beam_search",
-    "models", "backends", "engine", "kv", "sampling", "constraints", "grammars", "hooks", "viz",
+    "models", "backends", "engine", "sampling", "constraints", "grammars", "hooks", "viz",
     "SeqStateError", "SlicingError", "BatchMismatch", "SampleMismatch", "ModelMismatch",
     "ConstraintError", "ContextOverflowError", "ModelNotAvailable", "HookError", "ArgumentError",
     "ChatTemplateError", "CapabilityError", "ActivationHookError",

@@ -20,7 +20,7 @@ ROOT = pathlib.Path(seqstate.__file__).parent
 LAYERS = [
     ("foundation", ["seqstate.errors", "seqstate.radix", "seqstate.detokenize",
                     "seqstate.progress", "seqstate.indexing"]),
-    ("protocols and step parts", ["seqstate.backends.base", "seqstate.kv",
+    ("protocols and step parts", ["seqstate.backends.base",
                                   "seqstate.constraints", "seqstate.sampling",
                                   "seqstate.hooks"]),
     ("backends", ["seqstate.backends"]),
