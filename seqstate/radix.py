@@ -23,9 +23,9 @@ Examples
 --------
 >>> tree = RadixTree(Node(None, 0, ()))
 >>> a = tree.attach(Node(tree.root, 0, (1, 2, 3)))
->>> tree.match([1, 2, 3, 4]).length          # the longest stored prefix of 1 2 3 4
+>>> tree.match([1, 2, 3, 4]).length     # the longest stored prefix
 3
->>> kept = tree.match([1, 2])                 # a live handle pins node `a`
+>>> kept = tree.match([1, 2])            # a live handle pins node `a`
 >>> tree.lru_leaf() is None
 True
 >>> del kept
