@@ -170,7 +170,7 @@ def main(model, questions: int | None = None,
         print(f"  ARC-Easy requests not found at {DATA}")
         return
     try:
-        fast = ss.models.default(engine="llama.cpp", n_ctx=8192, n_seq_max=256)
+        fast = ss.models.default(engine="llama.cpp", n_ctx=8192)
     except (ImportError, ss.ModelNotAvailable) as exc:
         print(f"  llama.cpp engine unavailable: {exc}")
         fast = None
