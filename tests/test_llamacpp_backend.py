@@ -294,11 +294,29 @@ def test_score_matches_fresh(tok):
         fresh = backend.fresh_logits(prefix + opt).log_softmax(-1)
         want = [fresh[len(prefix) - 1 + i, t].item() for i, t in enumerate(opt)]
         assert max(abs(a - b) for a, b in zip(got.logprobs, want)) < EXACT
-        assert got.logprobs == kept.logprobs and got.handle is None
-        assert kept.handle.length == len(prefix) + len(opt) - 1
+        assert got.logprobs == kept.logprobs
         assert got.argmax == tuple(bool(fresh[len(prefix) - 1 + i].argmax() == t)
                                    for i, t in enumerate(opt))
     assert cells == 0
+    backend.verify()
+    # stored: the continuation's KV is found by a later match (until evicted for room)
+    backend.score([(prefix, options[0])], store=True)
+    assert backend.store.match(prefix + options[0]).length == len(prefix + options[0]) - 1
+    backend.verify()
+
+
+def test_score_pins_few_sequences_at_once(tok):
+    """More distinct prefixes than llama.cpp sequences: each group of prefixes is pinned only
+    while its own continuations are scored."""
+    backend = _backend(n_ctx=4096, n_seq_max=8)
+    pairs = [(tok.encode(f"Question {i}: what is {i} plus {i * 3}? Answer:"), tok.encode(o))
+             for i in range(20) for o in (" 4 apples", " 5")]
+    scored = backend.score(pairs)
+    for (prefix, opt), got in list(zip(pairs, scored))[::7]:
+        fresh = backend.fresh_logits(prefix + opt).log_softmax(-1)
+        want = [fresh[len(prefix) - 1 + i, t].item() for i, t in enumerate(opt)]
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want)) < EXACT
+    assert backend.next_logprobs([p for p, _ in pairs]).shape[0] == len(pairs)
     backend.verify()
 
 

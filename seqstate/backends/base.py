@@ -128,14 +128,10 @@ class Scored:
         the log-prob of each continuation token at its position.
     argmax
         per token: it is the most likely token at its position.
-    handle
-        with ``store=True``: a pinned handle on ``prefix + continuation[:-1]``'s stored KV;
-        else None.
     """
 
     logprobs: tuple[float, ...]
     argmax: tuple[bool, ...]
-    handle: Handle | None = None
 
     @property
     def greedy(self) -> bool:
@@ -218,8 +214,8 @@ class Backend(Protocol):
         tokens, and whether each is the argmax at its position.  Each distinct prefix is
         computed once (its KV stored, as a row's) and its last position serves every
         continuation's first token; continuation KV is scratch unless ``store`` (then each
-        result holds a pinned handle on ``prefix + continuation[:-1]``).  Memory is bounded
-        by a token budget, not by the number of pairs (`seqstate.backends.scoring`)."""
+        ``prefix + continuation[:-1]`` is stored, unpinned).  Memory is bounded by a token
+        budget, not by the number of pairs (`seqstate.backends.scoring`)."""
         ...
 
     def next_logprobs(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:

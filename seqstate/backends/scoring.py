@@ -27,7 +27,8 @@ import torch
 
 from seqstate.backends.base import Handle, Scored
 
-__all__ = ["score_pairs", "next_logprobs", "last_logprobs", "store_rows", "SCORE_BATCH_TOKENS", "LOGITS_BYTES"]
+__all__ = ["score_pairs", "next_logprobs", "store_rows", "SCORE_BATCH_TOKENS", "LOGITS_BYTES",
+           "CHUNK"]
 
 SCORE_BATCH_TOKENS = 8192      # KV columns (rows x longest row) one scoring group holds
 LOGITS_BYTES = 1 << 28         # float32 logits alive at once: 256 MiB (1,365 positions of 49k)
@@ -52,41 +53,43 @@ def _groups(items: Sequence[Any], cost: Callable[[list[Any]], tuple[int, int]],
 
 
 def _max_rows(backend: Any) -> int | None:
-    """Rows per group: a llama.cpp row needs its own sequence and its prefix a carrier."""
+    """Rows per group: a llama.cpp row needs its own sequence and its prefix a carrier, and
+    a third of the sequences stays free for what other states pin."""
     rows = backend.capabilities.max_rows
-    return None if rows is None else max(1, (rows + 1) // 2)
+    return None if rows is None else max(1, rows // 3)
 
 
-def last_logprobs(backend: Any, prefixes: Sequence[Sequence[int]],
-                  consume: Callable[[int, torch.Tensor], None], *, store: bool = True
-                  ) -> list[Handle | None]:
-    """Feed every prefix's last token once; ``consume(i, logprobs)`` gets the float32
-    log-softmax ``(V,)`` of the next token after ``prefixes[i]``.  With ``store``, every prefix
-    is stored whole and pinned handles on them are returned (else Nones)."""
+def _prefix_groups(backend: Any, prefixes: Sequence[Sequence[int]]) -> Iterator[list[int]]:
+    """Indexes of ``prefixes``, shortest first, in groups whose rows fit the budget."""
     if any(len(p) == 0 for p in prefixes):
         raise ValueError("every prefix needs at least one token")
     vocab_bytes = 4 * backend.vocab_size
     order = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i]))
-    handles: list[Handle | None] = [None] * len(prefixes)
 
     def cost(group: list[int]) -> tuple[int, int]:
         return len(group) * len(prefixes[group[-1]]), len(group) * vocab_bytes
 
-    for group in _groups(order, cost, _max_rows(backend)):
-        rows = [list(prefixes[i]) for i in group]
-        batch = backend.batch()
-        try:
-            slots = batch.add(rows, 1)
-            logits = batch.forward(slots, [r[-1] for r in rows])               # (G, V)
-            for k, i in enumerate(group):
-                consume(i, logits[k].log_softmax(-1))
-            del logits
-            if store:
-                for slot, i, row in zip(slots, group, rows):
-                    handles[i] = batch.commit(slot, row, len(row))
-        finally:
-            batch.close()
-    return handles
+    return _groups(order, cost, _max_rows(backend))
+
+
+def _last_logprobs(backend: Any, prefixes: Sequence[Sequence[int]],
+                   consume: Callable[[int, torch.Tensor], None]) -> None:
+    """Feed each prefix's last token once, in one batch; ``consume(i, logprobs)`` gets the
+    float32 log-softmax ``(V,)`` after ``prefixes[i]``.  Each prefix is stored whole (as the
+    most recently used KV, unpinned: pins would hold llama.cpp sequences the continuations
+    need; a prefix evicted before them is prefilled again, never wrong)."""
+    rows = [list(p) for p in prefixes]
+    batch = backend.batch()
+    try:
+        slots = batch.add(rows, 1)
+        logits = batch.forward(slots, [r[-1] for r in rows])                   # (G, V)
+        for i in range(len(rows)):
+            consume(i, logits[i].log_softmax(-1))
+        del logits
+        for slot, row in zip(slots, rows):
+            batch.commit(slot, row, len(row))
+    finally:
+        batch.close()
 
 
 def next_logprobs(backend: Any, rows: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -94,11 +97,11 @@ def next_logprobs(backend: Any, rows: Sequence[Sequence[int]]) -> torch.Tensor:
     each row's KV is stored whole."""
     distinct = list(dict.fromkeys(tuple(r) for r in rows))
     out = torch.empty(len(distinct), backend.vocab_size)
+    for group in _prefix_groups(backend, distinct):
+        def keep(k: int, logprobs: torch.Tensor, group: list[int] = group) -> None:
+            out[group[k]] = logprobs
 
-    def keep(i: int, logprobs: torch.Tensor) -> None:
-        out[i] = logprobs
-
-    last_logprobs(backend, distinct, keep)
+        _last_logprobs(backend, [distinct[i] for i in group], keep)
     where = {row: i for i, row in enumerate(distinct)}
     return out[[where[tuple(r)] for r in rows]]
 
@@ -107,8 +110,10 @@ def score_pairs(backend: Any, pairs: Sequence[tuple[Sequence[int], Sequence[int]
                 store: bool = False) -> list[Scored]:
     """Teacher-forced log-probs of every ``(prefix, continuation)`` pair (see the module).
 
-    Identical pairs are computed once; each distinct prefix's last token is fed once.  With
-    ``store=True`` each ``prefix + continuation[:-1]`` is stored and its handle returned.
+    Identical pairs are computed once; each distinct prefix's last token is fed once, and
+    its continuations are scored right after it (its KV the most recently stored).  With
+    ``store=True`` each ``prefix + continuation[:-1]`` is stored too (unpinned, like any
+    cached KV).
     """
     for prefix, cont in pairs:
         if not prefix or not cont:
@@ -122,28 +127,25 @@ def score_pairs(backend: Any, pairs: Sequence[tuple[Sequence[int], Sequence[int]
         by_prefix[index[p]].append(j)
     lps: list[list[float]] = [[] for _ in distinct]
     top: list[list[bool]] = [[] for _ in distinct]
+    for group in _prefix_groups(backend, prefixes):
+        def first(k: int, logprobs: torch.Tensor, group: list[int] = group) -> None:
+            best = int(logprobs.argmax())
+            for j in by_prefix[group[k]]:
+                token = distinct[j][1][0]
+                lps[j].append(float(logprobs[token]))
+                top[j].append(token == best)
 
-    def first(i: int, logprobs: torch.Tensor) -> None:
-        best = int(logprobs.argmax())
-        for j in by_prefix[i]:
-            token = distinct[j][1][0]
-            lps[j].append(float(logprobs[token]))
-            top[j].append(token == best)
-
-    bases = last_logprobs(backend, prefixes, first)
-    handles: list[Handle | None] = [bases[index[p]] if store else None for p, _ in distinct]
-    longer = sorted((j for j, (_, c) in enumerate(distinct) if len(c) > 1),
-                    key=lambda j: (len(distinct[j][0]), len(distinct[j][1])))
-    _continuations(backend, distinct, longer, lps, top, handles, store)
-    del bases
-    done = {key: Scored(tuple(lps[j]), tuple(top[j]), handles[j])
-            for j, key in enumerate(distinct)}
+        _last_logprobs(backend, [prefixes[i] for i in group], first)
+        longer = sorted((j for i in group for j in by_prefix[i] if len(distinct[j][1]) > 1),
+                        key=lambda j: (len(distinct[j][0]), len(distinct[j][1])))
+        _continuations(backend, distinct, longer, lps, top, store)
+    done = {key: Scored(tuple(lps[j]), tuple(top[j])) for j, key in enumerate(distinct)}
     return [done[key] for key in keys]
 
 
 def _continuations(backend: Any, pairs: list[tuple[tuple[int, ...], tuple[int, ...]]],
                    todo: list[int], lps: list[list[float]], top: list[list[bool]],
-                   handles: list[Handle | None], store: bool) -> None:
+                   store: bool) -> None:
     """Feed ``c[:-1]`` after each pair's stored prefix, reading the log-prob of ``c[1:]``."""
     vocab_bytes = 4 * backend.vocab_size
 
@@ -177,7 +179,7 @@ def _continuations(backend: Any, pairs: list[tuple[tuple[int, ...], tuple[int, .
             if store:
                 for slot, j in zip(slots, group):
                     tokens = list(pairs[j][0]) + list(pairs[j][1])
-                    handles[j] = batch.commit(slot, tokens, len(tokens) - 1)
+                    batch.commit(slot, tokens, len(tokens) - 1)
         finally:
             batch.close()
 

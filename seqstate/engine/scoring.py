@@ -89,7 +89,7 @@ def score(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, store:
     >>> prompt = model.encode("Is it?")
     >>> yes, no = ss.engine.score(model, [(prompt, model.encode(" yes")),
     ...                                   (prompt, model.encode(" no"))])
-    >>> len(yes.logprobs) == len(model.encode(" yes")), yes.handle is None
+    >>> len(yes.logprobs) == len(model.encode(" yes")), isinstance(yes.greedy, bool)
     (True, True)
     """
     return _run_in_parts(model, pairs, [tuple(p) for p, _ in pairs],
