@@ -170,9 +170,7 @@ def main(model, questions: int | None = None,
         print(f"  ARC-Easy requests not found at {DATA}")
         return
     try:
-        # 256 sequences: with the default 64, more than ~62 distinct contexts in one run
-        # still end in CacheFullError (stored paths keep their sequences)
-        fast = ss.models.default(engine="llama.cpp", n_ctx=8192, n_seq_max=256)
+        fast = ss.models.default(engine="llama.cpp", n_ctx=8192)
     except (ImportError, ss.ModelNotAvailable) as exc:
         print(f"  llama.cpp engine unavailable: {exc}")
         fast = None
