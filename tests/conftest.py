@@ -53,6 +53,16 @@ def engine(request):
     return request.getfixturevalue("tiny" if request.param == "hf" else "llama")
 
 
+def collect(stream):
+    """A generator's stream run to its end: ``(chunks, final state)``."""
+    chunks = []
+    while True:
+        try:
+            chunks.append(next(stream))
+        except StopIteration as stop:
+            return chunks, stop.value
+
+
 def tolerance(model) -> float:
     """Max abs logit difference allowed against the engine's own fresh evaluation."""
     if model.backend.capabilities.exact:

@@ -4,7 +4,7 @@ Exactness is each engine against its own fresh evaluation of the same tokens (HF
 noise; llama.cpp within its measured noise floor, see seqstate.backends.llamacpp).
 """
 
-from conftest import tolerance
+from conftest import collect, tolerance
 from pydantic import BaseModel
 
 import seqstate as ss
@@ -122,13 +122,7 @@ def test_beam_search_and_option_scoring(engine):
 
 def test_streaming_chunks_equal_the_value(engine):
     stream = ss.text(engine).stream("Count: 1, 2,", max_tokens=12, stop_at=", 6")
-    chunks = []
-    while True:
-        try:
-            chunks.append(next(stream))
-        except StopIteration as stop:
-            state = stop.value
-            break
+    chunks, state = collect(stream)
     assert "".join(chunks) == state.value
 
 

@@ -14,6 +14,7 @@ import torch
 from pydantic import BaseModel, Field
 
 import seqstate as ss
+from conftest import collect
 
 pytestmark = pytest.mark.real
 
@@ -134,13 +135,7 @@ def test_ban_phrases_healing_and_streaming(gemma_engine):
     healed = ss.text(m)("The website is https://www.goo", max_tokens=4, token_healing=True)
     assert str(healed).startswith("<bos>The website is https://www.goo")
     stream = ss.regex(m, r"(日本|中文|한국)語?").stream("Say Japanese in Japanese: ")
-    chunks = []
-    while True:
-        try:
-            chunks.append(next(stream))
-        except StopIteration as stop:
-            state = stop.value
-            break
+    chunks, state = collect(stream)
     assert not any("\ufffd" in c for c in chunks)
     assert "".join(chunks) == state.value
     story = list(ss.text(m).stream("Write one word in Korean:", max_tokens=12))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import seqstate as ss
+from conftest import collect
 from seqstate.constraints.base import Constraint, Cursor
 from seqstate.constraints.healing import HealingCursor
 from seqstate.constraints.regex_constraint import RegexConstraint
@@ -158,13 +159,7 @@ class _Quiet(Hook):
 
 
 def test_a_hook_with_no_lookback_streams_as_it_goes(tiny):
-    chunks, stream = [], ss.text(tiny).stream("Once", max_tokens=12, hooks=[_Quiet()])
-    while True:
-        try:
-            chunks.append(next(stream))
-        except StopIteration as stop:
-            state = stop.value
-            break
+    chunks, state = collect(ss.text(tiny).stream("Once", max_tokens=12, hooks=[_Quiet()]))
     assert len(chunks) > 1 and "".join(chunks) == state.value
 
 

@@ -3,15 +3,7 @@
 import pytest
 
 import seqstate as ss
-
-
-def collect(stream):
-    chunks = []
-    while True:
-        try:
-            chunks.append(next(stream))
-        except StopIteration as stop:
-            return chunks, stop.value
+from conftest import collect
 
 
 def test_multibyte_chunks_concatenate_exactly(tiny):

@@ -55,8 +55,8 @@ from pathlib import Path
 import llama_cpp as ll
 import torch
 
-from seqstate.backends.base import (CacheFullError, Capabilities, Scored,
-                                    single_threaded_torch)
+from seqstate.backends.base import (Backend, CacheFullError, Capabilities, Scored,
+                                    WorkCounters, single_threaded_torch)
 from seqstate.backends.llamacpp.store import SeqHandle, SeqStore
 from seqstate.backends.prefixes import common_prefix, ensure_stored
 from seqstate.backends.scoring import next_logprobs, score_pairs
@@ -120,7 +120,7 @@ def _tails(rows: Sequence[Sequence[int]], starts: Sequence[int], seqs: Sequence[
     return tokens, positions, owners
 
 
-class LlamaCppBackend:
+class LlamaCppBackend(Backend):
     """The llama.cpp engine behind the generators (see ``seqstate.backends.base.Backend``).
 
     Parameters
@@ -175,9 +175,7 @@ class LlamaCppBackend:
                                          batching=True, exact=False,
                                          max_rows=n_seq_max - RESERVED_SEQS - 1,
                                          own_threads=True)
-        self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens_reused": 0,
-                         "forward_calls": 0, "draft_tokens_accepted": 0,
-                         "draft_tokens_rejected": 0}
+        self.counters = WorkCounters.zeros()
         self.lock = threading.RLock()
         self._batches: weakref.WeakSet[LlamaCppBatch] = weakref.WeakSet()
 
@@ -195,11 +193,6 @@ class LlamaCppBackend:
             except BaseException as exc:
                 traceback.clear_frames(exc.__traceback__)      # executing frames are skipped
                 raise
-
-    def count(self, **deltas: int) -> None:
-        """Add to the work counters (the model's ``stats``)."""
-        for key, value in deltas.items():
-            self.counters[key] += value
 
     def on_worker_start(self) -> None:
         """llama.cpp computes on threads of its own: the sampling step on the scheduler's
