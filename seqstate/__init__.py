@@ -4,7 +4,8 @@ from seqstate import backends, constraints, engine, grammars, hooks, models, sam
 from seqstate.batch import BatchError, run_batch
 from seqstate.conversation import chat
 from seqstate.errors import (ActivationHookError, ArgumentError, BatchMismatch, CapabilityError,
-                             ChatTemplateError, ConstraintError, ContextOverflowError, HookError,
+                             ChatTemplateError, ConstraintError, ContextOverflowError, EngineError,
+                             HookError,
                              ModelMismatch, ModelNotAvailable, SampleMismatch, SeqStateError,
                              SlicingError)
 from seqstate.generation import (Generator, cfg, choice, continuous, final_state, json, regex,
@@ -19,5 +20,5 @@ __all__ = [
     "models", "backends", "engine", "sampling", "constraints", "grammars", "hooks", "viz",
     "SeqStateError", "SlicingError", "BatchMismatch", "SampleMismatch", "ModelMismatch",
     "ConstraintError", "ContextOverflowError", "ModelNotAvailable", "HookError", "ArgumentError",
-    "ChatTemplateError", "CapabilityError", "ActivationHookError",
+    "ChatTemplateError", "CapabilityError", "ActivationHookError", "EngineError",
 ]

@@ -20,6 +20,7 @@ __all__ = [
     "ActivationHookError",
     "ArgumentError",
     "CapabilityError",
+    "EngineError",
 ]
 
 
@@ -98,3 +99,9 @@ class CapabilityError(SeqStateError, NotImplementedError):
 
     def __reduce__(self) -> tuple:
         return (type(self), (str(self), self.capability, self.engine))
+
+
+class EngineError(SeqStateError, ConnectionError):
+    """An engine that did not answer: a server unreachable, dead mid-call or refusing a
+    request for a reason of its own.  Raised to the caller of the call that met it; every
+    existing state stays as it was, and the model is usable again once its engine is."""

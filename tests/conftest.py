@@ -91,3 +91,29 @@ def gemma_llama(gemma):
 def gemma_engine(request):
     """Gemma 3 270M on each engine."""
     return request.getfixturevalue("gemma" if request.param == "hf" else "gemma_llama")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """A vLLM server with seqstate's plugin on a free 127.0.0.1 port, serving the default
+    model in fp32; stopped at the end of the session.  Skipped where the server's environment
+    (``make vllm``) is missing, unless SEQSTATE_REQUIRE_VLLM is set (``make test`` sets it)."""
+    from seqstate.vllm import Server
+
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    try:
+        server = Server(log=open(log, "w"))
+    except ss.ModelNotAvailable as exc:
+        if os.environ.get("SEQSTATE_REQUIRE_VLLM"):
+            raise
+        pytest.skip(f"no vLLM server environment: {exc}")
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def vllm(vllm_server):
+    """The default model on the fixture's vLLM server (the ``vllm`` engine)."""
+    model = ss.models.vllm(vllm_server.url)
+    yield model
+    model.close()

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from seqstate.errors import CapabilityError, ContextOverflowError
 
-__all__ = ["Capabilities", "WorkCounters", "Handle", "Scored", "Batch", "Backend", "CacheFullError",
+__all__ = ["Capabilities", "WorkCounters", "Handle", "Scored", "Batch", "Backend",
+           "RequestBackend", "CacheFullError",
            "openmp", "single_threaded_torch"]
 
 
@@ -54,6 +55,10 @@ class Capabilities:
         logits equal a fresh fp32 evaluation to fp32 noise (the exactness reference).
     max_rows
         most working rows one batch can hold at once (None: no fixed limit).
+    steps
+        rows run step by step through `Backend.batch` (the engine samples each token from
+        the logits); False: the engine is a server that runs whole requests (`complete`,
+        seqstate's constraints inside it), and calls go to it as requests.
     own_threads
         the engine computes on CPU threads of its own; its ``on_worker_start`` then makes the
         sampling step (torch ops over a few rows of logits) run single-threaded on the
@@ -69,6 +74,7 @@ class Capabilities:
     exact: bool = False
     max_rows: int | None = None
     own_threads: bool = False
+    steps: bool = True
 
     def require(self, capability: str, feature: str, instead: str, model: str) -> None:
         """Raise `CapabilityError` when this engine lacks ``capability`` (``"full_logits"``,
@@ -236,6 +242,24 @@ class Backend(Protocol):
         """Called on the scheduler's worker thread when it starts, before any step: per-thread
         setup (an engine computing on threads of its own makes torch single-threaded there,
         `single_threaded_torch`).  Nothing by default."""
+
+
+@runtime_checkable
+class RequestBackend(Backend, Protocol):
+    """An engine that runs whole requests (``capabilities.steps`` False: a server).  The
+    engine sends each call's rows to `complete` instead of stepping a `Batch`."""
+
+    def complete(self, tokens: Sequence[int], *, max_tokens: int, sampling: dict,
+                 spec: dict | None = None, n: int = 1, ignore_eos: bool = False) -> Iterator:
+        """Stream ``n`` continuations of ``tokens``: per token, which choice, the token, its
+        raw log-prob, whether it was the argmax, and the choice's finish reason on its last.
+        ``spec`` is the constraint the server runs (`seqstate.constraints.Cursor.remote`,
+        with the tokens to replay).  Closing the iterator early aborts the request."""
+        ...
+
+    def handle(self, length: int) -> Handle:
+        """A handle on a finished row's first ``length`` tokens."""
+        ...
 
 
 def openmp() -> ctypes.CDLL | None:

@@ -50,6 +50,13 @@ class Cursor(ABC):
         the engine verifies against the model (never forces).  None known: ``()``."""
         return ()
 
+    def remote(self) -> dict | None:
+        """How a server-side constraint (seqstate's vLLM plugin) rebuilds this cursor's
+        constraint: its compiled constraint's `Constraint.remote`, after which the server
+        replays the tokens generated under it so far.  None: it cannot run in a server."""
+        compiled = self.compiled()
+        return None if compiled is None else compiled.remote()
+
 
 class Constraint(ABC):
     """A compiled constraint, shared by every row and cached per (spec, tokenizer).
@@ -79,4 +86,11 @@ class Constraint(ABC):
     def prefixed(self, text: str) -> Constraint | None:
         """This constraint with ``text`` required first, its value parsed from what follows
         (token healing re-spells backed-up prompt text); None when it cannot be prefixed."""
+        return None
+
+    def remote(self) -> dict | None:
+        """The constraint as seqstate's vLLM plugin builds it, over the same token bytes:
+        ``{"regex": anchored pattern}`` or ``{"grammar": llguidance grammar}``, with
+        ``"replay"``: tokens a cursor walks before its first (a regex's sentinel).  None
+        where it cannot be sent (an index compiled elsewhere)."""
         return None

@@ -111,6 +111,9 @@ class GrammarConstraint(Constraint):
         """Wrap an llguidance grammar already serialized (an outlines generator's)."""
         return cls("<llguidance grammar>", model, serialized=grammar)
 
+    def remote(self) -> dict:
+        return {"grammar": self.grammar}
+
     def start(self) -> GrammarCursor:
         return GrammarCursor(self, self._origin.deep_copy())
 

@@ -52,6 +52,9 @@ class HealingCursor(Cursor):
             mask[self.vocab.ids_of(self.remaining[:j])] = True
         return mask
 
+    def remote(self) -> dict:
+        return {"heal": self.remaining.hex()}
+
     def advance(self, token: int) -> HealingCursor | None:
         b = self.vocab.token_bytes[token]
         if len(b) < len(self.remaining) and self.remaining.startswith(b):

@@ -56,8 +56,9 @@ def anchored(pattern: str) -> str:
     return f"(?:{pattern})$"
 
 
-def _compile(pattern: str, model) -> tuple[Index, int]:
-    """The index of ``anchored(pattern)`` and the state a call starts in.
+def _compile(pattern: str, model) -> tuple[Index, int, dict]:
+    """The index of ``anchored(pattern)``, the state a call starts in, and how a server
+    builds the same (`Constraint.remote`).
 
     outlines_core cannot build an end-anchored automaton whose start state already accepts
     (a pattern matching the empty string: ``[a-z]*``, ``(ab)?``).  Such a pattern is compiled
@@ -66,13 +67,15 @@ def _compile(pattern: str, model) -> tuple[Index, int]:
     vocab = _vocabulary(model)
     try:
         index = Index(anchored(pattern), vocab)
-        return index, index.get_initial_state()
+        return index, index.get_initial_state(), {"regex": anchored(pattern)}
     except Exception as exc:
         if "start state" not in str(exc):
             raise
     byte, token = _sentinel(model)
-    index = Index(f"\\x{byte:02x}" + anchored(pattern), vocab)
-    return index, index.get_next_state(index.get_initial_state(), token)
+    regex = f"\\x{byte:02x}" + anchored(pattern)
+    index = Index(regex, vocab)
+    return (index, index.get_next_state(index.get_initial_state(), token),
+            {"regex": regex, "replay": [token]})
 
 
 def _sentinel(model) -> tuple[int, int]:
@@ -105,8 +108,9 @@ class RegexConstraint(Constraint):
         try:
             if index is not None:
                 self.index, self.initial = index, index.get_initial_state()
+                self._remote = None
             else:
-                self.index, self.initial = _compile(pattern, model)
+                self.index, self.initial, self._remote = _compile(pattern, model)
         except ConstraintError:
             raise
         except Exception as exc:
@@ -121,6 +125,9 @@ class RegexConstraint(Constraint):
 
     def start(self) -> RegexCursor:
         return RegexCursor(self, self.initial)
+
+    def remote(self) -> dict | None:
+        return self._remote
 
     def parse(self, text: str) -> object:
         return self._parse(text)

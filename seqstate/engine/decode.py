@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from seqstate.backends.base import CacheFullError
+from seqstate.engine import remote
 from seqstate.engine.job import Job
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS, Stepper
@@ -130,6 +131,8 @@ def run(model, requests: Sequence[RowRequest], sampler: Sampler,
     outside is mutated: new KV goes into new stored KV, and an exception leaves every
     existing state as it was.
     """
+    if not model.backend.capabilities.steps:          # a server: whole requests
+        return (yield from remote.run(model, requests, sampler, rng, observe))
     job = DecodeJob(model, requests, sampler, rng, hooks, max_backtracks, observe, speculate)
     return (yield from model.scheduler.execute(job))
 
@@ -139,6 +142,17 @@ def generate(model, requests: Sequence[RowRequest], sampler: Sampler,
              max_backtracks: int = DEFAULT_MAX_BACKTRACKS, speculate: bool = True
              ) -> list[RowResult]:
     """Continue every row to completion; see `run()`."""
+    if not model.backend.capabilities.steps:
+        return _drain(remote.run(model, requests, sampler, rng))
     job = DecodeJob(model, requests, sampler, rng, hooks, max_backtracks, lambda rows: (),
                     speculate)
     return model.scheduler.run(job)
+
+
+def _drain(gen: Generator[Any, None, Any]) -> Any:
+    """The return value of a generator, run to its end."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value

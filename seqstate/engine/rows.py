@@ -22,6 +22,7 @@ class RowRequest:
     cursor: Cursor | None = None
     stop: StopMatcher | None = None
     healed: int = 0        # leading generated characters that re-spell the prompt (healing)
+    replay: tuple[int, ...] = ()   # tokens already generated under ``cursor`` (a resumed call)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -92,6 +92,8 @@ def score(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, store:
     >>> len(yes.logprobs) == len(model.encode(" yes")), isinstance(yes.greedy, bool)
     (True, True)
     """
+    if not model.backend.capabilities.steps:          # a server: concurrent requests
+        return model.backend.score(pairs, store=store)
     return _run_in_parts(model, pairs, [tuple(p) for p, _ in pairs],
                          lambda backend, part: backend.score(part, store=store))
 
@@ -106,5 +108,7 @@ def next_logprobs(model, rows: Sequence[Sequence[int]]) -> torch.Tensor:
 
 def stored(model, rows: Sequence[Sequence[int]]) -> list[Handle]:
     """Pinned handles on each ``row[:-1]``'s KV, stored on the worker (computing only what
-    the store lacks)."""
+    the store lacks); on a server, handles on what its prefix cache keeps."""
+    if not model.backend.capabilities.steps:
+        return [model.backend.handle(len(r) - 1) for r in rows]
     return _run_in_parts(model, rows, [tuple(r) for r in rows], store_rows)

@@ -139,7 +139,7 @@ class Generator:
         capabilities.check_call(self.model, len(state.rows), bool(call.hooks))
         if resume and call.token_healing:
             raise ValueError("resume() continues tokens already generated; token_healing does not apply")
-        rows, cursors, span_starts, healed = [], [], [], []
+        rows, cursors, span_starts, healed, replays = [], [], [], [], []
         for r in state.rows:
             last = r.last_span
             removed = ""
@@ -155,8 +155,10 @@ class Generator:
             cursors.append(cursor)
             span_starts.append(begin)
             healed.append(removed)
+            replays.append(r.tokens[begin:] if begin is not None and cursor is not None else ())
         state = SequenceState(self.model, tuple(rows), state.n_batch, state.n_samples)
-        requests = prompts.requests(state, call, cursors, self.constraint is not None, healed)
+        requests = prompts.requests(state, call, cursors, self.constraint is not None, healed,
+                                    replays)
         return state, requests, span_starts, healed
 
     def _free_text(self, span: Span) -> bool:

@@ -54,17 +54,20 @@ def fork(state: SequenceState, k: int | None) -> SequenceState:
 
 
 def requests(state: SequenceState, call: Call, cursors: Sequence[Any], constrained: bool,
-             healed: Sequence[str] | None = None) -> list[RowRequest]:
-    """One engine request per row; a row that cannot fit the context is refused here."""
+             healed: Sequence[str] | None = None,
+             replays: Sequence[Sequence[int]] | None = None) -> list[RowRequest]:
+    """One engine request per row; a row that cannot fit the context is refused here.
+    ``replays[i]``: the tokens row ``i`` already generated under its cursor (resuming)."""
     ctx = state.model.context_length
     reqs = []
     default = MAX_CONSTRAINED_TOKENS if constrained else DEFAULT_MAX_TOKENS
-    for r, cursor, removed in zip(state.rows, cursors, healed or [""] * len(cursors)):
+    for r, cursor, removed, replay in zip(state.rows, cursors, healed or [""] * len(cursors),
+                                          replays or [()] * len(cursors)):
         room = ctx - len(r.tokens)
         want = call.max_tokens if call.max_tokens is not None else min(default, room)
         if want > room or room <= 0:
             raise ContextOverflowError(
                 f"a row of {len(r.tokens)} tokens plus max_tokens={call.max_tokens} exceeds the "
                 f"model's context of {ctx} tokens; shorten the prompt or lower max_tokens")
-        reqs.append(RowRequest(r.tokens, want, cursor, call.stops, len(removed)))
+        reqs.append(RowRequest(r.tokens, want, cursor, call.stops, len(removed), tuple(replay)))
     return reqs

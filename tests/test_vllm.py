@@ -1,0 +1,316 @@
+"""The vllm engine against a real vLLM server on loopback (fp32, seqstate's plugin inside).
+
+The reference is twofold: the HF engine on the same weights (greedy ids equal, log-probs
+within 1e-4) and the server's own answers (prompt_logprobs for scoring).  Constraints run in
+the server's plugin; their tokens must equal the HF engine's, whose constraints run locally.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+import urllib.request
+
+import pytest
+import seqstate as ss
+from seqstate.backends.vllm.backend import VllmBackend
+
+from conftest import collect
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
+           "List three colors:"]
+PERSON = {"type": "object", "properties": {"name": {"type": "string"},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+ARITHMETIC = """
+start: NUMBER OP NUMBER
+OP: "+" | "-"
+NUMBER: /[0-9]{1,3}/
+"""
+
+
+def same_row(a: ss.SequenceState, b: ss.SequenceState, tol: float = 1e-4) -> None:
+    """Equal token ids, and the generated tokens' log-probs within ``tol``."""
+    for ra, rb in zip(a.rows, b.rows):
+        assert ra.tokens == rb.tokens
+        pairs = [(x, y) for x, y in zip(ra.logprobs, rb.logprobs) if x is not None and y is not None]
+        assert pairs
+        assert max(abs(x - y) for x, y in pairs) <= tol
+
+
+def calls(model) -> int:
+    return model.stats.forward_calls
+
+
+# -- native requests ---------------------------------------------------------------------------
+def test_greedy_text_equals_the_hf_engine(vllm, real):
+    for prompt in PROMPTS:
+        same_row(ss.text(vllm)(prompt, max_tokens=32), ss.text(real)(prompt, max_tokens=32))
+
+
+def test_a_batch_and_concurrent_calls_equal_one_call_each(vllm):
+    alone = [ss.text(vllm)(p, max_tokens=16) for p in PROMPTS]
+    batched = ss.text(vllm)(PROMPTS, max_tokens=16)
+    assert [r.tokens for r in batched.rows] == [s.rows[0].tokens for s in alone]
+    out = [None] * len(PROMPTS)
+
+    def one(i):
+        out[i] = ss.text(vllm)(PROMPTS[i], max_tokens=16)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [s.rows[0].tokens for s in out] == [s.rows[0].tokens for s in alone]
+
+
+def test_stop_strings_and_eos_as_on_every_engine(vllm, real):
+    for kwargs in ({"stop_at": "\n"}, {"stop_at": [".", ","]}):
+        a = ss.text(vllm)("Write a sentence about cats:", max_tokens=40, **kwargs)
+        b = ss.text(real)("Write a sentence about cats:", max_tokens=40, **kwargs)
+        assert str(a) == str(b) and a.value == b.value
+        assert a.finish_reason == b.finish_reason
+
+
+def test_samples_share_one_request_and_reproduce_with_a_seed(vllm):
+    prompt = "Pick a random fruit:"
+    before = vllm.stats
+    a = ss.text(vllm)(prompt, num_samples=4, max_tokens=8, sampler=ss.multinomial(), seed=7)
+    used = vllm.stats - before
+    assert used.forward_calls == 1                        # the fork is one request with n=4
+    assert used.prefill_tokens + used.cached_tokens_reused == len(vllm.encode_prompt(prompt))
+    b = ss.text(vllm)(prompt, num_samples=4, max_tokens=8, sampler=ss.multinomial(), seed=7)
+    assert a.token_ids == b.token_ids
+    assert len({tuple(r.tokens) for r in a.rows}) > 1     # samples differ from each other
+
+
+def test_the_prefix_cache_is_reported_as_reuse(vllm):
+    prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 12)
+    ss.text(vllm)(prompt, max_tokens=1)
+    before = vllm.stats
+    ss.text(vllm)(prompt + " Again:", max_tokens=1)
+    used = vllm.stats - before
+    assert used.cached_tokens_reused >= 96                 # whole 32-token blocks of the prompt
+    assert used.prefill_tokens < 40
+
+
+def test_chat_equals_the_hf_engine(vllm, real):
+    def talk(model):
+        return ss.chat(model).system("Be brief.").user("Name a planet.").assistant(
+            ss.text(model), max_tokens=12)
+
+    same_row(talk(vllm), talk(real))
+
+
+def test_run_batch(vllm, real):
+    def program(model, topic):
+        s = ss.text(model)(f"A fact about {topic}:", max_tokens=8)
+        return ss.choice(model, ["true", "false"])(s + " True or false?")
+
+    a = ss.run_batch(lambda t: program(vllm, t), ["cats", "stars", "rivers"])
+    b = [program(real, t) for t in ["cats", "stars", "rivers"]]
+    assert [s.value for s in a] == [s.value for s in b]
+    assert [s.token_ids for s in a] == [s.token_ids for s in b]
+
+
+# -- constraints in the server's plugin --------------------------------------------------------
+@pytest.mark.parametrize("make", [
+    lambda m: ss.regex(m, r"[0-9]{3}-[0-9]{2}"),
+    lambda m: ss.regex(m, r"[0-9]{0,3}"),                # matches the empty string (sentinel)
+    lambda m: ss.choice(m, ["Paris", "London", "Lyon"]),
+    lambda m: ss.json(m, PERSON),
+    lambda m: ss.cfg(m, ARITHMETIC),
+], ids=["regex", "empty-matching regex", "choice", "json", "cfg"])
+def test_constraints_equal_local_cursors(vllm, real, make):
+    prompt = "Answer: "
+    a, b = make(vllm)(prompt), make(real)(prompt)
+    same_row(a, b)
+    assert a.value == b.value and a.finish_reason == b.finish_reason
+
+
+@pytest.mark.parametrize("make", [
+    lambda m: ss.json(m, PERSON),
+    lambda m: ss.regex(m, r"(ab|cd){3,6}x"),
+], ids=["json", "regex"])
+def test_resume_after_slicing_continues_the_constraint(vllm, real, make):
+    whole = make(vllm)("Data: ")
+    assert whole.token_ids == make(real)("Data: ").token_ids
+    for k in (1, 3):
+        sliced = whole[:, :, :-k]
+        resumed = make(vllm).resume(sliced)
+        # the plugin replayed the k-shorter span: the server's cursor stood where the local one did
+        assert resumed.token_ids == whole.token_ids and resumed.value == whole.value
+
+
+def test_concatenation_then_another_constraint(vllm, real):
+    def program(model):
+        s = ss.text(model)("My favourite city is", max_tokens=6)
+        s = ss.choice(model, ["Paris", "Rome"])(s + ". Capital of France:")
+        return ss.json(model, PERSON)(s + "\nA person: ")
+
+    same_row(program(vllm), program(real))
+
+
+def test_token_healing_equals_the_hf_engine(vllm, real):
+    for make in (lambda m: ss.text(m), lambda m: ss.regex(m, r"https?://[a-z]+\.com")):
+        a = make(vllm)("The url is http", max_tokens=8, token_healing=True)
+        b = make(real)("The url is http", max_tokens=8, token_healing=True)
+        assert a.token_ids == b.token_ids and a.value == b.value
+
+
+# -- scoring -----------------------------------------------------------------------------------
+def test_score_equals_prompt_logprobs_and_the_hf_engine(vllm, vllm_server, real):
+    prefix = "Question: what is the capital of France? Answer:"
+    options = [" Paris", " London", " the city of Lyon"]
+    got = ss.text(vllm)(prefix, max_tokens=1)[:, :, :-1].score(options)
+    ref = ss.text(real)(prefix, max_tokens=1)[:, :, :-1].score(options)
+    ids = vllm.encode_prompt(prefix)
+    for j, option in enumerate(options):
+        cont = vllm.encode(option)
+        body = {"model": vllm.backend.served, "prompt": ids + cont, "max_tokens": 1,
+                "prompt_logprobs": 0, "temperature": 0}
+        req = urllib.request.Request(vllm_server.url + "/v1/completions",
+                                     json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req) as r:
+            answer = json.loads(r.read())["choices"][0]["prompt_logprobs"]
+        server = [answer[len(ids) + k][str(t)]["logprob"] for k, t in enumerate(cont)]
+        mine = got.logprobs[0][0][j]
+        assert max(abs(a - b) for a, b in zip(mine, server)) <= 1e-4
+        assert max(abs(a - b) for a, b in zip(mine, ref.logprobs[0][0][j])) <= 1e-4
+        assert got.greedy[0][0][j] == ref.greedy[0][0][j]
+
+
+def test_scored_choice_equals_the_hf_engine(vllm, real):
+    options = ["blue", "green", "red"]
+    a = ss.choice(vllm, options, method="score")("The sky on a clear day is")
+    b = ss.choice(real, options, method="score")("The sky on a clear day is")
+    assert a.value == b.value and a.token_ids == b.token_ids
+
+
+# -- failures ----------------------------------------------------------------------------------
+def running(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics") as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("vllm:num_requests_running"):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no running-requests gauge")
+
+
+def test_a_stream_closed_early_aborts_its_request(vllm, vllm_server):
+    stream = ss.text(vllm).stream("Count from one to a thousand:", max_tokens=2000)
+    next(stream), next(stream)
+    assert running(vllm_server.url) >= 1
+    stream.close()
+    deadline = time.monotonic() + 10
+    while running(vllm_server.url) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert running(vllm_server.url) == 0
+
+
+@pytest.mark.parametrize("feature", ["hooks", "beam", "next_logprobs", "full_logits",
+                                     "custom sampler"])
+def test_features_needing_full_logits_are_refused_before_any_request(vllm, feature):
+    state = ss.text(vllm)("Hello", max_tokens=2)
+    before = calls(vllm)
+
+    class Odd(ss.sampling.Greedy):
+        pass
+
+    run = {
+        "hooks": lambda: ss.text(vllm)(state, hooks=[lambda event: None], max_tokens=4),
+        "beam": lambda: ss.text(vllm)(state, sampler=ss.beam_search(2), max_tokens=4),
+        "next_logprobs": lambda: state.next_logprobs(),
+        "full_logits": lambda: vllm.full_logits([1, 2, 3]),
+        "custom sampler": lambda: ss.text(vllm)(state, sampler=Odd(), max_tokens=4),
+    }[feature]
+    with pytest.raises(ss.CapabilityError) as info:
+        run()
+    assert info.value.capability == "full_logits" and info.value.engine == "vllm"
+    assert calls(vllm) == before
+
+
+def test_a_vocabulary_that_differs_is_refused(vllm):
+    odd = VllmBackend(vllm.backend.client, vllm.backend.served, vllm.vocab.size, "0" * 64,
+                      vllm.context_length)
+    with pytest.raises(ss.ModelMismatch, match="vocabulary"):
+        list(odd.complete(vllm.encode_prompt("Hi"), max_tokens=2, sampling={},
+                          spec={"regex": "(?:a)$"}))
+
+
+def test_an_unreachable_server_is_a_typed_error():
+    from seqstate.vllm import free_port
+
+    with pytest.raises(ss.EngineError, match="did not answer"):
+        ss.models.vllm(f"http://127.0.0.1:{free_port()}")
+
+
+class _Dying(http.server.BaseHTTPRequestHandler):
+    """A server that answers like vLLM, then drops the connection after two tokens."""
+
+    folder = ""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = json.dumps({"data": [{"id": "m", "root": self.folder, "max_model_len": 512}]})
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for token in (504, 3458):
+            event = {"choices": [{"index": 0, "token_ids": [token], "finish_reason": None,
+                                  "logprobs": {"token_logprobs": [-1.0],
+                                               "top_logprobs": [{f"token_id:{token}": -1.0}]}}]}
+            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.flush()
+        self.wfile.write(b"data: {\"choices\": [{\"index\": 0, \"token_")   # cut mid-event
+        self.wfile.flush()
+        self.connection.shutdown(2)
+
+
+def test_a_server_that_dies_mid_call_is_a_typed_error_and_loses_nothing(vllm_server):
+    _Dying.folder = str(vllm_server.folder)
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Dying)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        model = ss.models.vllm(f"http://127.0.0.1:{httpd.server_address[1]}")
+        state = ss.from_tokens(model, [model.encode_prompt("Hello there")])
+        snapshot = (state.token_ids, str(state))
+        with pytest.raises(ss.EngineError):
+            ss.text(model)(state, max_tokens=8)
+        _, final = collect(ss.text(model).stream(state, max_tokens=1))      # one token: fine
+        assert final.token_ids[0][0][-1] == 504
+        assert (state.token_ids, str(state)) == snapshot
+    finally:
+        httpd.shutdown()
+
+
+def test_a_generator_call_after_a_failure_still_works(vllm):
+    with pytest.raises(ss.ArgumentError):
+        ss.text(vllm)("x", max_tokens=0)
+    assert ss.text(vllm)("The capital of France is", max_tokens=3).finish_reason == "max_tokens"
+
+
+def test_stats_and_engine_name(vllm):
+    assert vllm.engine == "vllm"
+    assert not vllm.backend.capabilities.full_logits
+    with vllm.frozen_store():                          # nothing is stored here to freeze
+        ss.text(vllm)("Hi", max_tokens=1)
+    before = vllm.stats
+    ss.text(vllm)("Hi there", max_tokens=3)
+    used = vllm.stats - before
+    assert used.forward_calls == 1 and used.decode_tokens == 3
+    assert used.kv_bytes_cached == 0                     # the KV is the server's
