@@ -19,7 +19,7 @@ from functools import cached_property
 import interegular
 import torch
 
-from seqstate.errors import ConstraintError, HookError
+from seqstate.errors import CapabilityError, ConstraintError, HookError
 
 __all__ = ["SampleEvent", "Accept", "Replace", "Resample", "Rollback", "Action", "Hook",
            "as_hook", "ban_phrases", "DEFAULT_MAX_BACKTRACKS"]
@@ -78,7 +78,8 @@ class SampleEvent:
     token, logprob
         the sampled token and its log-prob under the model.
     logits
-        the model's logits (V,) at this position (read-only: a view).
+        the model's logits (V,) at this position (read-only: a view); None on an engine
+        that sends the sampled token's log-prob only (``vllm``).
     text
         this call's generated text before the token; ``token_text`` is the token's text.
     generated
@@ -110,6 +111,10 @@ class SampleEvent:
     @cached_property
     def top(self) -> list[tuple[int, float]]:
         """The 5 most likely tokens and their probabilities (computed on first access)."""
+        if self.logits is None:
+            raise CapabilityError("event.top needs the whole next-token distribution, which "
+                                  "this engine does not send (a server): read event.logprob "
+                                  "instead", "full_logits")
         p = self.logits.float().softmax(-1)
         v, i = p.topk(5)
         return list(zip(i.tolist(), v.tolist()))

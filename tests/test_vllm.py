@@ -163,6 +163,42 @@ def test_token_healing_equals_the_hf_engine(vllm, real):
         assert a.token_ids == b.token_ids and a.value == b.value
 
 
+# -- hooks on the stream: an intervention re-sends from the kept tokens -------------------------
+def test_ban_phrases_equal_the_hf_engine(vllm, real):
+    for prompt, phrases in [("The capital of France is", ["Paris"]),
+                            ("List three colors:", ["red", "blue"])]:
+        a = ss.text(vllm)(prompt, max_tokens=24, hooks=[ss.hooks.ban_phrases(phrases)])
+        b = ss.text(real)(prompt, max_tokens=24, hooks=[ss.hooks.ban_phrases(phrases)])
+        same_row(a, b)
+        assert not any(p.lower() in a.value.lower() for p in phrases)
+
+
+def test_resample_replace_and_constraints_with_hooks_equal_the_hf_engine(vllm, real):
+    space = vllm.encode(" the")[0]
+    dot = vllm.encode(".")[0]
+
+    def hook(event):
+        assert event.logits is None or event.logits.ndim == 1
+        if event.token == space:
+            return ss.hooks.Resample()
+        if event.token == dot:
+            return ss.hooks.Replace(vllm.encode("!")[0])
+        return None
+
+    for make in (lambda m: ss.text(m), lambda m: ss.regex(m, r"[A-Za-z ,.!']{1,80}")):
+        a = make(vllm)("Tell me about the sea.", max_tokens=20, hooks=[hook])
+        b = make(real)("Tell me about the sea.", max_tokens=20, hooks=[hook])
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert space not in a.rows[0].tokens[len(vllm.encode_prompt("Tell me about the sea.")):]
+
+
+def test_a_streamed_hooked_call_yields_only_kept_text(vllm):
+    hook = ss.hooks.ban_phrases(["Paris"])
+    chunks, final = collect(ss.text(vllm).stream("The capital of France is", max_tokens=16,
+                                                 hooks=[hook]))
+    assert "".join(chunks) == final.value and "Paris" not in final.value
+
+
 # -- scoring -----------------------------------------------------------------------------------
 def test_score_equals_prompt_logprobs_and_the_hf_engine(vllm, vllm_server, real):
     prefix = "Question: what is the capital of France? Answer:"
@@ -212,7 +248,7 @@ def test_a_stream_closed_early_aborts_its_request(vllm, vllm_server):
     assert running(vllm_server.url) == 0
 
 
-@pytest.mark.parametrize("feature", ["hooks", "beam", "next_logprobs", "full_logits",
+@pytest.mark.parametrize("feature", ["event.top", "beam", "next_logprobs", "full_logits",
                                      "custom sampler"])
 def test_features_needing_full_logits_are_refused_before_any_request(vllm, feature):
     state = ss.text(vllm)("Hello", max_tokens=2)
@@ -222,7 +258,7 @@ def test_features_needing_full_logits_are_refused_before_any_request(vllm, featu
         pass
 
     run = {
-        "hooks": lambda: ss.text(vllm)(state, hooks=[lambda event: None], max_tokens=4),
+        "event.top": lambda: ss.text(vllm)(state, hooks=[lambda event: event.top], max_tokens=4),
         "beam": lambda: ss.text(vllm)(state, sampler=ss.beam_search(2), max_tokens=4),
         "next_logprobs": lambda: state.next_logprobs(),
         "full_logits": lambda: vllm.full_logits([1, 2, 3]),
@@ -230,8 +266,10 @@ def test_features_needing_full_logits_are_refused_before_any_request(vllm, featu
     }[feature]
     with pytest.raises(ss.CapabilityError) as info:
         run()
-    assert info.value.capability == "full_logits" and info.value.engine == "vllm"
-    assert calls(vllm) == before
+    assert info.value.capability == "full_logits"
+    assert info.value.engine == ("" if feature == "event.top" else "vllm")
+    if feature != "event.top":                   # a hook runs on the first streamed token
+        assert calls(vllm) == before
 
 
 def test_a_vocabulary_that_differs_is_refused(vllm):

@@ -132,7 +132,8 @@ def run(model, requests: Sequence[RowRequest], sampler: Sampler,
     existing state as it was.
     """
     if not model.backend.capabilities.steps:          # a server: whole requests
-        return (yield from remote.run(model, requests, sampler, rng, observe))
+        return (yield from remote.run(model, requests, sampler, rng, hooks, max_backtracks,
+                                      observe))
     job = DecodeJob(model, requests, sampler, rng, hooks, max_backtracks, observe, speculate)
     return (yield from model.scheduler.execute(job))
 
@@ -143,7 +144,7 @@ def generate(model, requests: Sequence[RowRequest], sampler: Sampler,
              ) -> list[RowResult]:
     """Continue every row to completion; see `run()`."""
     if not model.backend.capabilities.steps:
-        return _drain(remote.run(model, requests, sampler, rng))
+        return _drain(remote.run(model, requests, sampler, rng, hooks, max_backtracks))
     job = DecodeJob(model, requests, sampler, rng, hooks, max_backtracks, lambda rows: (),
                     speculate)
     return model.scheduler.run(job)

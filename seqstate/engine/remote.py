@@ -14,6 +14,7 @@ Concurrent calls are concurrent requests: the server batches them; no scheduler 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import threading
@@ -22,9 +23,12 @@ from typing import Any
 
 import torch
 
+from seqstate.constraints.base import Cursor
 from seqstate.constraints.healing import MAX_HEAL_TOKENS
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
-from seqstate.errors import CapabilityError, EngineError
+from seqstate.errors import CapabilityError, EngineError, HookError
+from seqstate.hooks import (DEFAULT_MAX_BACKTRACKS, Accept, Hook, Replace, Resample, Rollback,
+                            SampleEvent, as_hook)
 from seqstate.sampling.params import Greedy, Multinomial, Sampler
 
 __all__ = ["run", "sampling_of", "spec_of"]
@@ -47,46 +51,68 @@ def sampling_of(sampler: Sampler) -> dict[str, Any]:
         "full_logits", "vllm")
 
 
-def spec_of(req: RowRequest) -> dict[str, Any] | None:
-    """What the server's plugin needs to rebuild the row's cursor: the constraint, and the
-    tokens to replay (its own, such as a regex's sentinel, then the row's)."""
-    if req.cursor is None:
+def spec_of(cursor: Cursor | None, replay: Sequence[int] = ()) -> dict[str, Any] | None:
+    """What the server's plugin needs to rebuild ``cursor``: its constraint and the tokens to
+    replay through it (the constraint's own, such as a regex's sentinel, then ``replay``:
+    the tokens generated under it so far).  Token healing's cursor carries its whole state
+    (the bytes still to spell) and replays nothing."""
+    if cursor is None:
         return None
-    remote = req.cursor.remote()
+    remote = cursor.remote()
     if remote is None:
         raise CapabilityError(
             "this constraint cannot be sent to a server (an index compiled elsewhere has no "
             "pattern); build it with ss.regex/ss.choice/ss.json/ss.cfg", "full_logits", "vllm")
-    replay = list(remote.get("replay", ())) + list(req.replay)
+    if "heal" in remote:
+        return dict(remote)
+    tokens = list(remote.get("replay", ())) + list(replay)
     spec = {k: v for k, v in remote.items() if k != "replay"}
-    return {**spec, "replay": replay} if replay else spec
+    return {**spec, "replay": tokens} if tokens else spec
 
 
 class _Request:
     """One server request: the rows it carries (one per choice) and its parameters."""
 
-    def __init__(self, rows: list[int], req: RowRequest, spec: dict[str, Any] | None,
+    def __init__(self, rows: list[int], tokens: Sequence[int], spec: dict[str, Any] | None,
                  sampling: dict[str, Any], max_tokens: int) -> None:
-        self.rows, self.req, self.spec = rows, req, spec
+        self.rows, self.tokens, self.spec = rows, tuple(tokens), spec
         self.sampling, self.max_tokens = sampling, max_tokens
+
+    @classmethod
+    def of(cls, row: LiveRow, before: _Request, context: int) -> _Request:
+        """The request that goes on from ``row`` as it stands (after a hook intervened):
+        its kept tokens, its cursor with every token under it replayed, its bans."""
+        spec = spec_of(row.cursor, row.req.replay + tuple(row.generated))
+        n = len(row.tokens)
+        bans = [[p - n, sorted(ids)] for p, ids in sorted(row.bans.items()) if p >= n and ids]
+        if bans:
+            spec = {**(spec or {}), "ban": bans}
+        left = row.req.max_new - (len(row.generated) - row.free)
+        room = context - n
+        extra = MAX_HEAL_TOKENS if row.req.healed else 0
+        sampling = dict(before.sampling)
+        if "seed" in sampling:                   # a new draw, still determined by the call's seed
+            sampling["seed"] = (sampling["seed"] * 6364136223846793005 + n) % 2**62
+        return cls([before.rows[0]], row.tokens, spec, sampling, min(left + extra, room))
 
 
 def _requests(model, requests: Sequence[RowRequest], sampler: Sampler,
-              rng: torch.Generator | None) -> list[_Request]:
-    """Rows grouped into server requests, everything checked before any is sent."""
+              rng: torch.Generator | None, grouped: bool = True) -> list[_Request]:
+    """Rows as server requests, everything checked before any is sent; ``grouped``: rows
+    that are the same request (a fork's samples) share one, with ``n`` choices."""
     sampling = sampling_of(sampler)
     ctx = model.context_length
     groups: dict[Any, _Request] = {}
     for i, req in enumerate(requests):
-        spec = spec_of(req)
-        key = (req.tokens, json.dumps(spec, sort_keys=True), req.max_new, req.healed,
+        spec = spec_of(req.cursor, req.replay)
+        key = (i if not grouped else None, req.tokens, json.dumps(spec, sort_keys=True), req.max_new, req.healed,
                req.stop.stops if req.stop is not None else None)
         if key in groups:
             groups[key].rows.append(i)
             continue
         room = ctx - len(req.tokens)
         max_tokens = min(req.max_new + (MAX_HEAL_TOKENS if req.healed else 0), room)
-        groups[key] = _Request([i], req, spec, sampling, max_tokens)
+        groups[key] = _Request([i], req.tokens, spec, sampling, max_tokens)
     out = list(groups.values())
     if type(sampler) is not Greedy:
         seeds = torch.randint(0, 2**62, (len(out),), generator=rng).tolist()
@@ -96,55 +122,80 @@ def _requests(model, requests: Sequence[RowRequest], sampler: Sampler,
 
 
 def run(model, requests: Sequence[RowRequest], sampler: Sampler,
-        rng: torch.Generator | None,
+        rng: torch.Generator | None, hooks: Sequence = (),
+        max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
         observe: Callable[[list[LiveRow]], Sequence[Any]] = lambda rows: ()
         ) -> Generator[Any, None, list[RowResult]]:
     """Continue every row by server requests; yields what ``observe`` returns as tokens
     arrive, returns the results.  A failed request (the server unreachable, dead, refusing)
     raises its typed error after every other request of the call is closed; no state
-    changes."""
+    changes.
+
+    With ``hooks``, each row is a request of its own and its hooks see every streamed token
+    (``event.logits`` is None: the server sends the token's log-prob only).  At a hook's first
+    intervention the row's request is closed and a new one is sent from the kept tokens:
+    a rollback drops tokens and bans the one that stood first, a resample bans the token at
+    its position (the server then samples among the rest, as the local step does), a
+    replacement is appended as given."""
     backend = model.backend
-    work = _requests(model, requests, sampler, rng)
+    hooks = tuple(as_hook(h) for h in hooks)
+    work = _requests(model, requests, sampler, rng, grouped=not hooks)
     rows = [LiveRow(req, model.vocab, model.eos_token_ids) for req in requests]
     events: queue.SimpleQueue = queue.SimpleQueue()
     stop = threading.Event()
+    current: dict[int, _Request] = {}          # row -> the request now carrying it
 
     def pump(request: _Request) -> None:
-        stream = backend.complete(request.req.tokens, max_tokens=request.max_tokens,
+        stream = backend.complete(request.tokens, max_tokens=request.max_tokens,
                                   sampling=request.sampling, spec=request.spec,
                                   n=len(request.rows))
         try:
             for token in stream:
-                if stop.is_set() or _abort(rows[i] for i in request.rows):
+                if (stop.is_set() or _abort(rows[i] for i in request.rows)
+                        or any(current[i] is not request for i in request.rows)):
                     break
-                events.put(("token", request.rows[token.index], token))
+                events.put(("token", request, token))
         except BaseException as exc:           # handed to the caller's thread
             events.put(("error", request, exc))
         finally:
             stream.close()
-            events.put(("end", None, None))
+            events.put(("end", request, None))
 
-    threads = [threading.Thread(target=pump, args=(r,), daemon=True, name="seqstate-vllm")
-               for r in work]
-    for t in threads:
-        t.start()
-    running, failure = len(threads), None
+    def send(request: _Request) -> None:
+        for i in request.rows:
+            current[i] = request
+        threading.Thread(target=pump, args=(request,), daemon=True, name="seqstate-vllm").start()
+
+    for request in work:
+        send(request)
+    running, failure = len(work), None
     try:
         while running:
-            kind, i, payload = events.get()
+            kind, request, payload = events.get()
             if kind == "end":
                 running -= 1
-            elif kind == "error":
+                continue
+            live = [i for i in request.rows if current[i] is request]
+            if kind == "error":
                 # its tokens came first: rows it finished keep their results (only the
                 # request's usage is lost); one it left unfinished fails the call
-                if not all(rows[r].done for r in i.rows):
+                if not all(rows[i].done for i in live):
                     failure = failure or payload
                     stop.set()
-            elif not rows[i].done and failure is None:
-                _accept(rows[i], payload)
-                items = observe(rows)
-                if items:
-                    yield items
+                continue
+            i = request.rows[payload.index]
+            if i not in live or rows[i].done or failure is not None:
+                continue                         # a closed request's late token
+            row = rows[i]
+            if hooks:
+                resend = _hooked(row, i, payload, hooks, max_backtracks)
+            else:
+                _accept(row, payload)
+                resend = False
+            if resend and not row.done:
+                running += 1
+                send(_Request.of(row, request, model.context_length))
+            yield from observe(rows)
     finally:
         stop.set()
     if failure is not None:
@@ -153,6 +204,48 @@ def run(model, requests: Sequence[RowRequest], sampler: Sampler,
         if not row.done:            # the server ended the request without a reason we know
             row.finish("max_tokens")
     return [row.result(backend.handle(min(len(row.tokens) - 1, row.kv_limit))) for row in rows]
+
+
+def _hooked(row: LiveRow, i: int, token, hooks: Sequence[Hook], max_backtracks: int) -> bool:
+    """Run the hooks on one streamed token, as the local step does; True when the row's
+    request must be sent again from its kept tokens (the hooks intervened)."""
+    if token.token is None:
+        _accept(row, token)
+        return False
+    chosen, logprob, replaced = token.token, token.logprob, False
+    for hook in hooks:
+        event = SampleEvent(i, len(row.tokens), chosen, logprob, None, row.text,
+                            row.vocab.decode([chosen]), row.generated, row.offsets,
+                            lambda: row.prompt_text)
+        action = hook(event)
+        if action is None or isinstance(action, Accept):
+            continue
+        if isinstance(action, Replace):
+            allowed = row.cursor.allowed() if row.cursor is not None else None
+            if (allowed is not None and not bool(allowed[action.token])) or \
+                    action.token in row.bans.get(len(row.tokens), ()):
+                raise HookError(f"hook {hook!r} replaced token {chosen} with {action.token}, "
+                                "which the active constraint (or a ban) does not allow here")
+            chosen, logprob, replaced = action.token, None, True
+            continue
+        if not isinstance(action, (Resample, Rollback)):
+            raise HookError(f"hook {hook!r} returned {action!r}; expected None, Accept, "
+                            "Replace, Resample or Rollback")
+        row.backtracks += 1
+        if row.backtracks > max_backtracks:
+            row.finish("max_backtracks")
+            return False
+        if isinstance(action, Rollback) and action.n > 0:
+            if action.n > len(row.generated):
+                raise HookError(f"hook {hook!r} asked to roll back {action.n} tokens but this "
+                                f"call has generated only {len(row.generated)}")
+            row.rollback(action.n)
+        else:                                   # Resample, or Rollback(0): ban it here
+            banned = action.ban if isinstance(action, Resample) and action.ban else (chosen,)
+            row.bans.setdefault(len(row.tokens), set()).update(banned)
+        return True
+    _accept(row, dataclasses.replace(token, token=chosen, logprob=logprob))
+    return replaced
 
 
 def _abort(rows) -> bool:

@@ -3,9 +3,11 @@
 Which feature needs which `Capabilities` field (the mapping the field docs state):
 
 =================  ==============================================================
-full_logits        hooks (a `SampleEvent` carries the whole next-token distribution,
-                   and a resample draws from it again); beam search (every beam is
-                   expanded over the whole vocabulary); ``state.next_logprobs()``
+full_logits        hooks on an engine that steps rows (a `SampleEvent` carries the
+                   whole next-token distribution, and a resample draws from it
+                   again; a server runs them on its stream, ``event.logits`` None);
+                   beam search (every beam is expanded over the whole vocabulary);
+                   ``state.next_logprobs()``
 prefix_sharing     forking: ``num_samples=k > 1`` on a one-sample state (the samples
                    share their prompt's KV); beam search (beams fork as they split)
 batching           a decoding call over more than one row (several prompts or
@@ -40,7 +42,7 @@ def check_fork(model: BaseModel, samples: int) -> None:
 
 def check_call(model: BaseModel, rows: int, hooks: bool) -> None:
     """A decoding call over ``rows`` rows, with or without hooks."""
-    if hooks:
+    if hooks and model.backend.capabilities.steps:    # a server runs them on its stream
         require(model, "full_logits", "hooks",
                 "leave hooks= out, or run the call on an engine with full logits "
                 "(hf, llama.cpp)")
