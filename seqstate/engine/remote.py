@@ -79,8 +79,8 @@ class _Request:
         self.sampling, self.max_tokens = sampling, max_tokens
 
     @classmethod
-    def of(cls, row: LiveRow, before: _Request, context: int) -> _Request:
-        """The request that goes on from ``row`` as it stands (after a hook intervened):
+    def of(cls, i: int, row: LiveRow, before: _Request, context: int) -> _Request:
+        """The request that goes on from row ``i`` as it stands (after a hook intervened):
         its kept tokens, its cursor with every token under it replayed, its bans."""
         spec = spec_of(row.cursor, row.req.replay + tuple(row.generated))
         n = len(row.tokens)
@@ -93,7 +93,7 @@ class _Request:
         sampling = dict(before.sampling)
         if "seed" in sampling:                   # a new draw, still determined by the call's seed
             sampling["seed"] = (sampling["seed"] * 6364136223846793005 + n) % 2**62
-        return cls([before.rows[0]], row.tokens, spec, sampling, min(left + extra, room))
+        return cls([i], row.tokens, spec, sampling, min(left + extra, room))
 
 
 def _requests(model, requests: Sequence[RowRequest], sampler: Sampler,
@@ -105,8 +105,8 @@ def _requests(model, requests: Sequence[RowRequest], sampler: Sampler,
     groups: dict[Any, _Request] = {}
     for i, req in enumerate(requests):
         spec = spec_of(req.cursor, req.replay)
-        key = (i if not grouped else None, req.tokens, json.dumps(spec, sort_keys=True), req.max_new, req.healed,
-               req.stop.stops if req.stop is not None else None)
+        key = (None if grouped else i, req.tokens, json.dumps(spec, sort_keys=True),
+               req.max_new, req.healed, req.stop.stops if req.stop is not None else None)
         if key in groups:
             groups[key].rows.append(i)
             continue
@@ -194,7 +194,7 @@ def run(model, requests: Sequence[RowRequest], sampler: Sampler,
                 resend = False
             if resend and not row.done:
                 running += 1
-                send(_Request.of(row, request, model.context_length))
+                send(_Request.of(i, row, request, model.context_length))
             yield from observe(rows)
     finally:
         stop.set()
