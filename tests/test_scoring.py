@@ -89,6 +89,17 @@ def test_chunks_on_llama_cpp(llama, monkeypatch):
     llama.backend.verify()
 
 
+def test_options_sharing_a_run_fork_on_every_engine(engine, monkeypatch):
+    """The trie walk (a shared run fed once, forks where options part), in chunks, on both
+    engines: exact against each engine's fresh evaluation; llama.cpp's sequences check out."""
+    monkeypatch.setattr(scoring, "CHUNK", 2)
+    state = ss.from_tokens(engine, [engine.encode("The tower is in"), engine.encode("It is")])
+    _check(engine, state, state.score([" the city of Paris", " the city of Lyon, France",
+                                       " the city", " a town"]))
+    if engine.engine == "llama.cpp":
+        engine.backend.verify()
+
+
 def test_next_logprobs_is_exact_and_independent_of_other_rows(engine):
     rng = random.Random(0)
     words = engine.encode(" ".join(["alpha", "beta", "gamma", "delta", "tea", "sky"] * 10))
@@ -131,8 +142,7 @@ def _trie_size(paths):
 
 def test_each_prefix_is_computed_once_and_continuations_are_not_stored(fresh_tiny):
     """10 questions x 4 options behind a ~100-token shared prefix: the tokens through the model
-    are the trie of context + option[:-1] (options that begin alike are each fed whole); the
-    store keeps the contexts only."""
+    are the trie of context + option[:-1]; the store keeps the contexts only."""
     m = fresh_tiny
     shots = m.encode(" ".join(f"Example {i}: the answer is {i * 7}." for i in range(12)))
     assert 90 <= len(shots) <= 140
@@ -156,6 +166,31 @@ def test_each_prefix_is_computed_once_and_continuations_are_not_stored(fresh_tin
     assert second.decode_tokens == len(contexts) + sum(len(o) - 1 for opts in options
                                                        for o in opts)
     assert m.stats.kv_bytes_cached == _trie_size(contexts) * _bytes_per_token(m)
+
+
+def test_options_that_begin_alike_feed_their_common_part_once(fresh_tiny):
+    """Continuations sharing tokens beyond the first (" the city of Paris" / " the city of
+    Lyon") are fed as a trie: the shared run once, then a fork per branch; every log-prob
+    still equals a fresh evaluation."""
+    m = fresh_tiny
+    context = m.encode("Where is the tower? It stands in")
+    options = [m.encode(t) for t in (" the city of Paris", " the city of Lyon, France",
+                                     " the city", " a small town", " a small town nearby")]
+    state = ss.from_tokens(m, [context])
+    state.score([[1]])                                   # the context stored first
+    before = m.stats
+    scores = state.score(options)
+    used = m.stats - before
+    # the context's last token once, then the trie of the options' fed tokens
+    assert used.prefill_tokens == 0
+    assert used.decode_tokens == 1 + _trie_size([o[:-1] for o in options if len(o) > 1])
+    assert used.decode_tokens < 1 + sum(len(o) - 1 for o in options)
+    for j, option in enumerate(options):
+        ref = m.full_logits(context + option).log_softmax(-1)
+        want = [float(ref[len(context) - 1 + k, t]) for k, t in enumerate(option)]
+        assert max(abs(a - b) for a, b in zip(scores.logprobs[0][0][j], want)) < 1e-4
+        greedy = all(int(ref[len(context) - 1 + k].argmax()) == t for k, t in enumerate(option))
+        assert scores.greedy[0][0][j] == greedy
 
 
 def _bytes_per_token(m) -> int:

@@ -146,7 +146,11 @@ def score_pairs(backend: Any, pairs: Sequence[tuple[Sequence[int], Sequence[int]
 def _continuations(backend: Any, pairs: list[tuple[tuple[int, ...], tuple[int, ...]]],
                    todo: list[int], lps: list[list[float]], top: list[list[bool]],
                    store: bool) -> None:
-    """Feed ``c[:-1]`` after each pair's stored prefix, reading the log-prob of ``c[1:]``."""
+    """Feed ``c[:-1]`` after each pair's stored prefix, reading the log-prob of ``c[1:]``.
+
+    Continuations of one prefix are walked as a trie: a slot feeds the run of tokens its
+    continuations share (in chunks), then forks where they part, so a shared part is fed
+    once (" the city of Paris" and " the city of Lyon" feed " the city of" once)."""
     vocab_bytes = 4 * backend.vocab_size
 
     def cost(group: list[int]) -> tuple[int, int]:
@@ -155,33 +159,66 @@ def _continuations(backend: Any, pairs: list[tuple[tuple[int, ...], tuple[int, .
         return len(group) * longest, len(group) * fed * vocab_bytes
 
     for group in _groups(todo, cost, _max_rows(backend)):
-        rows = [list(pairs[j][0]) + [pairs[j][1][0]] for j in group]     # KV: the prefix
         chunk = max(1, min(CHUNK, LOGITS_BYTES // (len(group) * vocab_bytes)))
+        members: dict[tuple[int, ...], list[int]] = {}
+        for j in group:
+            members.setdefault(pairs[j][0], []).append(j)
         batch = backend.batch()
         try:
-            slots = batch.add(rows, max(len(pairs[j][1]) for j in group))
-            done = 0
-            while True:
-                live = [(slot, j) for slot, j in zip(slots, group)
-                        if done < len(pairs[j][1]) - 1]
-                if not live:
-                    break
-                feeds = [list(pairs[j][1][done: min(done + chunk, len(pairs[j][1]) - 1)])
-                         for _, j in live]
-                logits = batch.extend([s for s, _ in live], feeds)
-                for (_, j), fed, out in zip(live, feeds, logits):
-                    targets = torch.tensor(pairs[j][1][done + 1: done + 1 + len(fed)])
-                    logprobs = out.log_softmax(-1)                             # (n, V)
-                    lps[j].extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
-                    top[j].extend((logprobs.argmax(-1) == targets).tolist())
-                del logits
-                done += chunk
-            if store:
-                for slot, j in zip(slots, group):
-                    tokens = list(pairs[j][0]) + list(pairs[j][1])
-                    batch.commit(slot, tokens, len(tokens) - 1)
+            # a slot per prefix holding its KV (the row's last token is not fed: any will do)
+            slots = batch.add([list(p) + [pairs[js[0]][1][0]] for p, js in members.items()],
+                              max(len(pairs[j][1]) for j in group))
+            work = [(slot, 0, js) for slot, js in zip(slots, members.values())]
+            while work:
+                work = _feed(batch, pairs, _split(batch, pairs, work, chunk, store), lps, top)
         finally:
             batch.close()
+
+
+def _split(batch: Any, pairs: list, work: list, chunk: int, store: bool) -> list:
+    """Each slot's continuations still to feed, grouped by their next token (a fork per
+    group but the first), with the run of tokens each group shares: ``(slot, fed, js, run)``.
+    Continuations fed to their end are stored here when asked."""
+    out = []
+    for slot, fed, js in work:
+        more: dict[int, list[int]] = {}
+        for j in js:
+            c = pairs[j][1]
+            if fed < len(c) - 1:
+                more.setdefault(c[fed], []).append(j)
+            elif store:
+                tokens = list(pairs[j][0]) + list(c)
+                batch.commit(slot, tokens, len(tokens) - 1)
+        if not more:
+            batch.release(slot)
+            continue
+        for k, part in enumerate(more.values()):
+            own = slot if k == 0 else batch.fork(slot)
+            first = pairs[part[0]][1]
+            end = min(min(len(pairs[j][1]) - 1 for j in part), fed + chunk)
+            run = 1
+            while fed + run < end and all(pairs[j][1][fed + run] == first[fed + run] for j in part):
+                run += 1
+            out.append((own, fed, part, run))
+    return out
+
+
+def _feed(batch: Any, pairs: list, work: list, lps: list[list[float]],
+          top: list[list[bool]]) -> list:
+    """Feed each slot its shared run in one batch; every member reads its own next tokens'
+    log-probs (the run's last position serves tokens that differ)."""
+    if not work:
+        return []
+    feeds = [list(pairs[js[0]][1][fed: fed + run]) for _, fed, js, run in work]
+    logits = batch.extend([slot for slot, _, _, _ in work], feeds)
+    for (_, fed, js, run), out in zip(work, logits):
+        logprobs = out.log_softmax(-1)                                         # (run, V)
+        best = logprobs.argmax(-1)
+        for j in js:
+            targets = torch.tensor(pairs[j][1][fed + 1: fed + 1 + run])
+            lps[j].extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
+            top[j].extend((best == targets).tolist())
+    return [(slot, fed + run, js) for slot, fed, js, run in work]
 
 
 def store_rows(backend: Any, rows: Sequence[Sequence[int]]) -> list[Handle]:
