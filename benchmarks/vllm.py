@@ -25,7 +25,8 @@ TOPICS = [f"topic number {i}: {w}" for i, w in enumerate(
      "bees", "salt", "ships", "clocks", "moss", "kites", "ink", "wolves"])]
 OPTIONS = ["positive", "negative", "neutral"]
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 24},
-                                           "score": {"type": "integer"}},
+                                           "score": {"type": "integer", "minimum": 0,
+                                                     "maximum": 10}},
           "required": ["title", "score"]}
 
 
@@ -111,7 +112,7 @@ def _single_calls(remote, direct) -> None:
     prompts = [f"Write one sentence about {t}." for t in TOPICS]
     t_ours, t_direct = interleaved([
         lambda: concurrently(lambda p: ss.text(remote)(p, max_tokens=32), prompts),
-        lambda: concurrently(lambda p: direct.complete(p, max_tokens=32, ignore_eos=True), prompts),
+        lambda: concurrently(lambda p: direct.complete(p, max_tokens=32), prompts),
     ], repeat=3)
     report(f"native text: {PROGRAMS} concurrent calls x 32 tokens", [
         ("vLLM API", t_direct, ""), ("seqstate vllm engine", t_ours, "")], "vLLM API")
