@@ -87,13 +87,17 @@ class _Request:
         bans = [[p - n, sorted(ids)] for p, ids in sorted(row.bans.items()) if p >= n and ids]
         if bans:
             spec = {**(spec or {}), "ban": bans}
-        left = row.req.max_new - (len(row.generated) - row.free)
-        room = context - n
-        extra = MAX_HEAL_TOKENS if row.req.healed else 0
         sampling = dict(before.sampling)
         if "seed" in sampling:                   # a new draw, still determined by the call's seed
             sampling["seed"] = (sampling["seed"] * 6364136223846793005 + n) % 2**62
-        return cls([i], row.tokens, spec, sampling, min(left + extra, room))
+        left = row.req.max_new - (len(row.generated) - row.free)
+        return cls([i], row.tokens, spec, sampling, _budget(row.req, n, left, context))
+
+
+def _budget(req: RowRequest, length: int, left: int, context: int) -> int:
+    """``max_tokens`` of a request for a row of ``length`` tokens that may still generate
+    ``left``: healing's re-spelling tokens do not count against it; the context bounds it."""
+    return min(left + (MAX_HEAL_TOKENS if req.healed else 0), context - length)
 
 
 def _requests(model, requests: Sequence[RowRequest], sampler: Sampler,
@@ -110,9 +114,8 @@ def _requests(model, requests: Sequence[RowRequest], sampler: Sampler,
         if key in groups:
             groups[key].rows.append(i)
             continue
-        room = ctx - len(req.tokens)
-        max_tokens = min(req.max_new + (MAX_HEAL_TOKENS if req.healed else 0), room)
-        groups[key] = _Request([i], req.tokens, spec, sampling, max_tokens)
+        groups[key] = _Request([i], req.tokens, spec, sampling,
+                               _budget(req, len(req.tokens), req.max_new, ctx))
     out = list(groups.values())
     if type(sampler) is not Greedy:
         seeds = torch.randint(0, 2**62, (len(out),), generator=rng).tolist()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from seqstate.backends.vllm.backend import VllmBackend
 from seqstate.backends.vllm.client import Client
-from seqstate.backends.vllm.vocab import VOCAB_FILE, fingerprint, vocabulary_table
+from seqstate.backends.vllm.vocab import VOCAB_FILE, fingerprint, served_eos, vocabulary_table
 from seqstate.errors import ArgumentError, ModelMismatch, ModelNotAvailable
 from seqstate.models.base import BaseModel
 
@@ -61,13 +62,10 @@ class VllmModel(BaseModel):
         """The server's ``max_model_len``."""
         return self.backend.context_length
 
-    def _eos_sources(self) -> list[Any]:
-        sources: list[Any] = [self.hf_tokenizer]
-        if self.folder is not None and (self.folder / "generation_config.json").is_file():
-            from transformers import GenerationConfig
-
-            sources.append(GenerationConfig.from_pretrained(self.folder, local_files_only=True))
-        return sources
+    @cached_property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The served model's EOS ids, as the server's plugin has them (`served_eos`)."""
+        return frozenset(served_eos(self.hf_tokenizer, self.folder))
 
     def close(self) -> None:
         """Close the connection pool (the server keeps running)."""

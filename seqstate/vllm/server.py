@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from seqstate.backends.vllm.vocab import VOCAB_FILE, vocabulary_table
+from seqstate.backends.vllm.vocab import VOCAB_FILE, served_eos, vocabulary_table
 from seqstate.errors import ArgumentError, EngineError, ModelNotAvailable
 
 __all__ = ["Server", "server_python", "model_folder", "free_port", "FLAGS", "VENV"]
@@ -78,10 +77,10 @@ def model_folder(model: str | os.PathLike | None = None) -> Path:
         folder = loading.cache_dir() / "vllm" / weights.name
         folder.mkdir(parents=True, exist_ok=True)
         tokenizer.save_pretrained(folder)
-        for item in weights.iterdir():
+        for item in weights.iterdir():         # linked, not copied: the weights stay one file
             if item.name.endswith((".json", ".safetensors")) and item.name != "seqstate-manifest.json":
-                shutil.copyfile(item, folder / item.name)
-    table = vocabulary_table(TokenVocabulary.of(tokenizer), _eos(tokenizer, folder))
+                _link(item, folder / item.name)
+    table = vocabulary_table(TokenVocabulary.of(tokenizer), served_eos(tokenizer, folder))
     path = folder / VOCAB_FILE
     text = json.dumps(table, sort_keys=True, separators=(",", ":"))
     if not path.is_file() or path.read_text() != text:
@@ -89,20 +88,13 @@ def model_folder(model: str | os.PathLike | None = None) -> Path:
     return folder
 
 
-def _eos(tokenizer: Any, folder: Path) -> list[int]:
-    """EOS ids as seqstate's model has them: the tokenizer's and generation_config's."""
-    ids = set()
-    for source in (tokenizer.eos_token_id, _generation_eos(folder)):
-        if source is not None:
-            ids.update(source if isinstance(source, list) else [source])
-    return sorted(ids)
-
-
-def _generation_eos(folder: Path) -> Any:
-    try:
-        return json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
-    except (OSError, ValueError):
-        return None
+def _link(source: Path, target: Path) -> None:
+    """``target`` a symbolic link to ``source`` (replacing a file or a stale link)."""
+    if target.is_symlink() and target.resolve() == source.resolve():
+        return
+    if target.exists() or target.is_symlink():
+        target.unlink()
+    target.symlink_to(source.resolve())
 
 
 def _end_with_parent() -> None:

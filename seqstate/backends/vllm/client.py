@@ -20,14 +20,9 @@ from urllib3.exceptions import HTTPError
 from seqstate.errors import (ArgumentError, ContextOverflowError, EngineError, ModelMismatch,
                              ModelNotAvailable)
 
-__all__ = ["Client", "Chunk", "POOL_SIZE"]
+__all__ = ["Client", "POOL_SIZE"]
 
 POOL_SIZE = 64           # kept-alive connections: concurrent requests beyond it open new ones
-
-
-class Chunk(dict):
-    """One streamed choice: ``index``, ``token_ids``, ``logprobs`` (per token: the token's own
-    log-prob and the top log-probs keyed by id) and ``finish_reason``."""
 
 
 class Client:
@@ -44,9 +39,6 @@ class Client:
     # -- requests ----------------------------------------------------------------------------
     def get(self, path: str) -> Any:
         return self._json(self._send("GET", path, None))
-
-    def post(self, path: str, body: dict[str, Any]) -> Any:
-        return self._json(self._send("POST", path, body))
 
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """The server-sent events of a streamed request, as parsed JSON objects.  Closing
@@ -93,7 +85,7 @@ class Client:
             raise EngineError(f"the vLLM server at {self.url} did not answer ({exc}); start one "
                               "with `python -m seqstate.vllm serve`") from exc
         if response.status >= 400:
-            payload = response.data if stream else response.data
+            payload = response.data
             response.release_conn()
             try:
                 error = json.loads(payload).get("error", {})

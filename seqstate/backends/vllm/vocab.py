@@ -10,11 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from seqstate.detokenize import TokenVocabulary
 
-__all__ = ["vocabulary_table", "fingerprint", "VOCAB_FILE"]
+__all__ = ["vocabulary_table", "fingerprint", "served_eos", "VOCAB_FILE"]
 
 VOCAB_FILE = "seqstate-vocab.json"
 
@@ -34,6 +35,23 @@ def vocabulary_table(vocab: TokenVocabulary, eos: Iterable[int]) -> dict[str, An
             if t.special or (t.content.startswith("<") and t.content.endswith(">"))),
         "tokens": [b.hex() for b in vocab.token_bytes],
     }
+
+
+def served_eos(tokenizer: Any, folder: Path | None) -> list[int]:
+    """The EOS ids of a served model: its tokenizer's and its ``generation_config.json``'s
+    (in ``folder``, where it is readable).  The server's table and the client's fingerprint
+    both use these, so they agree."""
+    ids: set[int] = set()
+    generation = None
+    if folder is not None:
+        try:
+            generation = json.loads((folder / "generation_config.json").read_text())
+        except (OSError, ValueError):
+            generation = None
+    for source in (tokenizer.eos_token_id, (generation or {}).get("eos_token_id")):
+        if source is not None:
+            ids.update(source if isinstance(source, list) else [source])
+    return sorted(ids)
 
 
 def fingerprint(table: dict[str, Any]) -> str:
