@@ -174,7 +174,8 @@ def score(model: Any, rows: Sequence[Sequence[int]], shape: tuple[int, int],
 def next_logprobs(model: Any, rows: Sequence[Sequence[int]], shape: tuple[int, int]
                   ) -> torch.Tensor:
     """``state.next_logprobs()``: ``(batch, samples, vocab)`` for the state's ``rows``."""
-    model.backend.capabilities.require(
-        "full_logits", "state.next_logprobs()", "score the tokens you need with state.score",
-        model.name)
+    if model.backend.capabilities.steps:   # a server sends a whole distribution per request
+        model.backend.capabilities.require(
+            "full_logits", "state.next_logprobs()", "score the tokens you need with state.score",
+            model.name)
     return scoring.next_logprobs(model, _prefixes(model, rows)).view(*shape, -1)

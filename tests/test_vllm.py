@@ -14,6 +14,8 @@ import time
 import urllib.request
 
 import pytest
+import torch
+
 import seqstate as ss
 from seqstate.backends.vllm.backend import VllmBackend
 
@@ -228,6 +230,57 @@ def test_scored_choice_equals_the_hf_engine(vllm, real):
     assert a.value == b.value and a.token_ids == b.token_ids
 
 
+def test_next_logprobs_equal_the_hf_engine(vllm, real):
+    def rows(model):
+        return ss.text(model)("The capital of France is", max_tokens=3) + [" and", " or"]
+
+    got, want = rows(vllm).next_logprobs(), rows(real).next_logprobs()
+    assert got.shape == want.shape == (2, 1, vllm.vocab.size)
+    assert (got - want).abs().max() <= 1e-4
+
+
+# -- beam search: one-token requests for each beam's most likely allowed tokens ----------------
+BEAMS = {
+    "text, stopped": lambda m: ss.text(m)("Q: name a colour.\nA:", max_tokens=6, stop_at="\n",
+                                          sampler=ss.beam_search(3)),
+    "then a choice": lambda m: ss.choice(m, ["yes", "no", "maybe"])(
+        BEAMS["text, stopped"](m) + " Is it warm? ", sampler=ss.beam_search(3)),
+    "regex, two prompts": lambda m: ss.regex(m, r"[0-9]{2}")(["Two digits:", "A number:"],
+                                                            sampler=ss.beam_search(4)),
+    "json": lambda m: ss.json(m, {"type": "object", "properties": {"age": {"type": "integer"}},
+                                  "required": ["age"]})("Bob is 42. JSON:", max_tokens=12,
+                                                        sampler=ss.beam_search(2)),
+}
+
+
+@pytest.mark.parametrize("program", BEAMS)
+def test_beam_search_equals_the_hf_engine(vllm, real, program):
+    got, want = BEAMS[program](vllm), BEAMS[program](real)
+    assert got.shape == want.shape
+    same_row(got, want)
+
+
+def test_a_beams_candidates_are_exact_for_every_allowed_set(vllm, real):
+    """`top` against the HF engine's next-token distribution: no mask (the server's top k),
+    a few allowed ids (asked for by id), and a large set that the server's most likely tokens
+    barely meet (read from the whole distribution: a second request)."""
+    tokens = real.encode_prompt("The capital of France is")
+    want = real.full_logits(tokens)[-1].log_softmax(-1)
+    size = want.shape[0]
+    few = torch.zeros(size, dtype=torch.bool)
+    few[[11, 400, 7042, 30000]] = True
+    rare = torch.ones(size, dtype=torch.bool)
+    rare[want.topk(200).indices] = False                  # the 200 most likely are not allowed
+    for allowed, requests in [(None, 1), (few, 1), (rare, 2)]:
+        before = calls(vllm)
+        got = vllm.backend.top(tokens, 6, allowed)
+        masked = want if allowed is None else want.masked_fill(~allowed, float("-inf"))
+        top = masked.topk(min(6, int(masked.isfinite().sum())))
+        assert [t for t, _ in got] == top.indices.tolist()
+        assert max(abs(lp - v) for (_, lp), v in zip(got, top.values.tolist())) <= 1e-4
+        assert calls(vllm) - before == requests
+
+
 # -- failures ----------------------------------------------------------------------------------
 def running(url: str) -> float:
     with urllib.request.urlopen(url + "/metrics") as r:
@@ -248,8 +301,7 @@ def test_a_stream_closed_early_aborts_its_request(vllm, vllm_server):
     assert running(vllm_server.url) == 0
 
 
-@pytest.mark.parametrize("feature", ["event.top", "beam", "next_logprobs", "full_logits",
-                                     "custom sampler"])
+@pytest.mark.parametrize("feature", ["event.top", "full_logits", "custom sampler"])
 def test_features_needing_full_logits_are_refused_before_any_request(vllm, feature):
     state = ss.text(vllm)("Hello", max_tokens=2)
     before = calls(vllm)
@@ -259,8 +311,6 @@ def test_features_needing_full_logits_are_refused_before_any_request(vllm, featu
 
     run = {
         "event.top": lambda: ss.text(vllm)(state, hooks=[lambda event: event.top], max_tokens=4),
-        "beam": lambda: ss.text(vllm)(state, sampler=ss.beam_search(2), max_tokens=4),
-        "next_logprobs": lambda: state.next_logprobs(),
         "full_logits": lambda: vllm.full_logits([1, 2, 3]),
         "custom sampler": lambda: ss.text(vllm)(state, sampler=Odd(), max_tokens=4),
     }[feature]

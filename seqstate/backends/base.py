@@ -46,7 +46,8 @@ class Capabilities:
     name
         the engine's name, for messages (``"hf"``, ``"llama.cpp"``).
     full_logits
-        next-token logits over the whole vocabulary (needed for masks, hooks, beams).
+        next-token logits over the whole vocabulary at every step (samplers and hooks that
+        read them; on an engine that steps rows, beams and ``next_logprobs`` too).
     prefix_sharing
         token-level KV sharing between rows (forks store a prefix once).
     batching
@@ -255,6 +256,13 @@ class RequestBackend(Backend, Protocol):
         raw log-prob, whether it was the argmax, and the choice's finish reason on its last.
         ``spec`` is the constraint the server runs (`seqstate.constraints.Cursor.remote`,
         with the tokens to replay).  Closing the iterator early aborts the request."""
+        ...
+
+    def top(self, tokens: Sequence[int], k: int,
+            allowed: torch.Tensor | None = None) -> list[tuple[int, float]]:
+        """The ``k`` most likely next tokens after ``tokens`` among ``allowed`` (bool, over
+        the vocabulary; None: all), best first, with their log-probs over the whole
+        vocabulary: a beam's step."""
         ...
 
     def handle(self, length: int) -> Handle:

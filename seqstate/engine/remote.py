@@ -10,6 +10,10 @@ on every engine), text and finish reasons.  A row that finishes here first (a st
 closes its request, which aborts it on the server.
 
 Concurrent calls are concurrent requests: the server batches them; no scheduler is involved.
+
+Beam search (`beam`) steps every live beam by a one-token request that asks for the raw
+log-probs of its most likely allowed tokens (`RequestBackend.top`), then advances the search
+here as an engine that steps rows does from its logits.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import queue
 import threading
 from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -26,12 +31,15 @@ import torch
 from seqstate.constraints.base import Cursor
 from seqstate.constraints.healing import MAX_HEAL_TOKENS
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
+from seqstate.engine.step import allowed_mask
 from seqstate.errors import CapabilityError, EngineError, HookError
 from seqstate.hooks import (DEFAULT_MAX_BACKTRACKS, Accept, Hook, Replace, Resample, Rollback,
                             SampleEvent, as_hook)
 from seqstate.sampling.params import Greedy, Multinomial, Sampler
 
-__all__ = ["run", "sampling_of", "spec_of"]
+__all__ = ["run", "beam", "sampling_of", "spec_of", "CONCURRENCY"]
+
+CONCURRENCY = 32         # one-token requests of a beam step in flight at once
 
 
 def sampling_of(sampler: Sampler) -> dict[str, Any]:
@@ -207,6 +215,30 @@ def run(model, requests: Sequence[RowRequest], sampler: Sampler,
         if not row.done:            # the server ended the request without a reason we know
             row.finish("max_tokens")
     return [row.result(backend.handle(min(len(row.tokens) - 1, row.kv_limit))) for row in rows]
+
+
+def beam(model, beams, on_step: Callable[[], None] | None = None) -> list:
+    """Run a beam search (`seqstate.engine.beam.Beams`) to its end by one-token requests:
+    each step asks the server, for every live beam at once, the raw log-probs of its
+    `Beams.k` most likely tokens among those its constraint, EOS rules and bans allow (the
+    same candidates an engine that steps rows takes from its logits), then advances the
+    search.  Returns its results; a failed request raises its typed error and changes no
+    state."""
+    backend = model.backend
+    size = backend.vocab_size
+
+    def top(b) -> list[tuple[int, float]]:
+        return backend.top(b.row.tokens, beams.k, allowed_mask(b.row, size))
+
+    def commit(parent, row: LiveRow) -> RowResult:
+        return row.result(backend.handle(min(len(row.tokens) - 1, row.kv_limit)))
+
+    with ThreadPoolExecutor(max_workers=CONCURRENCY, thread_name_prefix="seqstate-beam") as pool:
+        while beams.live:
+            beams.live = beams.advance(list(pool.map(top, beams.live)), commit)
+            if on_step is not None:
+                on_step()
+    return beams.finished
 
 
 def _hooked(row: LiveRow, i: int, token, hooks: Sequence[Hook], max_backtracks: int) -> bool:

@@ -101,6 +101,8 @@ def score(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, store:
 def next_logprobs(model, rows: Sequence[Sequence[int]]) -> torch.Tensor:
     """Float32 log-softmax ``(len(rows), V)`` of the next token after each row, on the worker
     (each row's KV stored; see ``Backend.next_logprobs``)."""
+    if not model.backend.capabilities.steps:          # a server: concurrent requests
+        return model.backend.next_logprobs(rows)
     out = _run_in_parts(model, rows, [tuple(r) for r in rows],
                         lambda backend, part: list(backend.next_logprobs(part)))
     return torch.stack(out) if out else torch.empty(0, model.backend.vocab_size)

@@ -6,8 +6,9 @@ Which feature needs which `Capabilities` field (the mapping the field docs state
 full_logits        hooks on an engine that steps rows (a `SampleEvent` carries the
                    whole next-token distribution, and a resample draws from it
                    again; a server runs them on its stream, ``event.logits`` None);
-                   beam search (every beam is expanded over the whole vocabulary);
-                   ``state.next_logprobs()``
+                   beam search there (every beam is expanded over the whole
+                   vocabulary; a server sends each beam's most likely allowed
+                   tokens instead); ``state.next_logprobs()``
 prefix_sharing     forking: ``num_samples=k > 1`` on a one-sample state (the samples
                    share their prompt's KV); beam search (beams fork as they split)
 batching           a decoding call over more than one row (several prompts or
@@ -56,7 +57,8 @@ def check_beam(model: BaseModel, params: BeamSearch) -> None:
     """Beam search of ``params.width`` beams per batch item (its rows are checked as any
     call's are)."""
     instead = "use ss.greedy() or ss.multinomial(...), or an engine with it (hf, llama.cpp)"
-    require(model, "full_logits", "beam search", instead)
+    if model.backend.capabilities.steps:          # a server sends each beam's top tokens
+        require(model, "full_logits", "beam search", instead)
     require(model, "prefix_sharing", "beam search", instead)
     if params.width > 1:
         require(model, "batching", f"beam search of width {params.width}", instead)

@@ -311,9 +311,9 @@ def vllm(url: str, *, model: str | None = None, tokenizer: Any = None,
     ``python -m seqstate.vllm serve``): the ``"vllm"`` engine.
 
     ``tokenizer`` defaults to the served folder's (when the server runs on this machine);
-    ``model`` picks one of several served models.  Features that need full-vocabulary logits
-    (hooks, beam search, ``state.next_logprobs()``, custom samplers) are refused with
-    `seqstate.CapabilityError` before any request.
+    ``model`` picks one of several served models.  Features that need the whole
+    distribution at every generated token (custom samplers, ``event.top`` in hooks,
+    ``model.full_logits``) are refused with `seqstate.CapabilityError` before any request.
     """
     return VllmModel(url, tokenizer, model=model, timeout=timeout, name=name)
 

@@ -40,6 +40,9 @@ class Client:
     def get(self, path: str) -> Any:
         return self._json(self._send("GET", path, None))
 
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        return self._json(self._send("POST", path, body))
+
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """The server-sent events of a streamed request, as parsed JSON objects.  Closing
         the iterator early closes the connection, which makes vLLM abort the request."""
