@@ -7,10 +7,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 import seqstate as ss
 from seqstate.backends.base import CacheFullError
 from seqstate.engine.scheduler import _Run
+from seqstate.engine.rows import RowRequest
 from seqstate.engine.scoring import BackendJob
 from seqstate.hooks import Rollback
 
@@ -312,6 +314,34 @@ def test_scoring_and_next_logprobs_are_jobs_on_the_worker(tiny, monkeypatch):
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
     for row, got in zip(prefixes, logprobs):
         assert (got - tiny.full_logits(row)[-1].log_softmax(-1)).abs().max().item() < 1e-3
+
+
+def test_next_logprobs_rows_share_the_running_calls_forward(fresh_tiny, monkeypatch):
+    """`NextJob`'s rows join the running batch: one forward feeds them with a decoding
+    call's rows, and their distributions equal a fresh evaluation's."""
+    from seqstate.engine.decode import DecodeJob
+    from seqstate.engine.scoring import NextJob
+
+    m = fresh_tiny
+    rows = [m.encode("Is the sky blue?"), m.encode("Grass is")]
+    decoding = DecodeJob(m, [RowRequest(tuple(m.encode("Once upon a time")), max_new=8)],
+                         ss.greedy(), None, (), 0, lambda rows: ())
+    reading = NextJob(rows)
+    decoding.order, reading.order = 0, 1
+    run = _Run(m.backend)
+    forwards = []
+    real = run.batch.forward
+    monkeypatch.setattr(run.batch, "forward", lambda slots, feeds: forwards.append(
+        len(slots)) or real(slots, feeds))
+    run.waiting = [decoding, reading]
+    with torch.inference_mode():
+        run.step()
+    assert forwards == [3]                            # one forward: 1 decoding + 2 read rows
+    kind, got = reading.outbox.get_nowait()
+    assert kind == "done" and run.running == [decoding] and not reading.slots
+    for row, lp in zip(rows, got):
+        assert (lp - m.full_logits(row)[-1].log_softmax(-1)).abs().max().item() < 1e-4
+    run.close()
 
 
 def test_a_scoring_job_that_finds_the_cache_full_waits_for_a_job_to_leave():

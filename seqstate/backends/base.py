@@ -225,11 +225,6 @@ class Backend(Protocol):
         budget, not by the number of pairs (`seqstate.backends.scoring`)."""
         ...
 
-    def next_logprobs(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Float32 log-softmax ``(len(rows), V)`` of the next token after each row, whose KV
-        is stored whole."""
-        ...
-
     def fresh_logits(self, tokens: Sequence[int]) -> torch.Tensor:
         """Logits ``(T, V)`` of a fresh evaluation of ``tokens`` sharing no stored KV."""
         ...
@@ -256,6 +251,12 @@ class RequestBackend(Backend, Protocol):
         raw log-prob, whether it was the argmax, and the choice's finish reason on its last.
         ``spec`` is the constraint the server runs (`seqstate.constraints.Cursor.remote`,
         with the tokens to replay).  Closing the iterator early aborts the request."""
+        ...
+
+    def next_logprobs(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Float32 log-softmax ``(len(rows), V)`` of the next token after each row (an
+        engine that steps rows reads it in its running batch instead:
+        `seqstate.engine.scoring.NextJob`)."""
         ...
 
     def top(self, tokens: Sequence[int], k: int,

@@ -5,8 +5,8 @@ Two phases, both in groups that fit the budget:
 
 1. **Prefixes.**  Each distinct prefix joins a batch (its ``prefix[:-1]`` found in the store
    or prefilled and stored, shared prefixes once), its last token is fed, and that one
-   distribution serves two things: `next_logprobs` returns it, and `score` reads every
-   continuation's *first* token from it (no continuation re-feeds the prefix's last token).
+   distribution gives every continuation's *first* token (no continuation re-feeds the
+   prefix's last token).
    The whole prefix is then stored: it is the rows' own KV, which later calls reuse.
 2. **Continuations.**  Each distinct (prefix, continuation) pair with more than one token
    joins a batch borrowing its prefix's stored KV and is fed ``continuation[:-1]`` (in chunks,
@@ -27,7 +27,7 @@ import torch
 
 from seqstate.backends.base import Handle, Scored
 
-__all__ = ["score_pairs", "next_logprobs", "store_rows", "SCORE_BATCH_TOKENS", "LOGITS_BYTES",
+__all__ = ["score_pairs", "prefix_groups", "store_rows", "SCORE_BATCH_TOKENS", "LOGITS_BYTES",
            "CHUNK"]
 
 SCORE_BATCH_TOKENS = 8192      # KV columns (rows x longest row) one scoring group holds
@@ -59,7 +59,7 @@ def _max_rows(backend: Any) -> int | None:
     return None if rows is None else max(1, rows // 3)
 
 
-def _prefix_groups(backend: Any, prefixes: Sequence[Sequence[int]]) -> Iterator[list[int]]:
+def prefix_groups(backend: Any, prefixes: Sequence[Sequence[int]]) -> Iterator[list[int]]:
     """Indexes of ``prefixes``, shortest first, in groups whose rows fit the budget."""
     if any(len(p) == 0 for p in prefixes):
         raise ValueError("every prefix needs at least one token")
@@ -92,20 +92,6 @@ def _last_logprobs(backend: Any, prefixes: Sequence[Sequence[int]],
         batch.close()
 
 
-def next_logprobs(backend: Any, rows: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Float32 log-softmax ``(len(rows), V)`` after each row (identical rows computed once);
-    each row's KV is stored whole."""
-    distinct = list(dict.fromkeys(tuple(r) for r in rows))
-    out = torch.empty(len(distinct), backend.vocab_size)
-    for group in _prefix_groups(backend, distinct):
-        def keep(k: int, logprobs: torch.Tensor, group: list[int] = group) -> None:
-            out[group[k]] = logprobs
-
-        _last_logprobs(backend, [distinct[i] for i in group], keep)
-    where = {row: i for i, row in enumerate(distinct)}
-    return out[[where[tuple(r)] for r in rows]]
-
-
 def score_pairs(backend: Any, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
                 store: bool = False) -> list[Scored]:
     """Teacher-forced log-probs of every ``(prefix, continuation)`` pair (see the module).
@@ -127,7 +113,7 @@ def score_pairs(backend: Any, pairs: Sequence[tuple[Sequence[int], Sequence[int]
         by_prefix[index[p]].append(j)
     lps: list[list[float]] = [[] for _ in distinct]
     top: list[list[bool]] = [[] for _ in distinct]
-    for group in _prefix_groups(backend, prefixes):
+    for group in prefix_groups(backend, prefixes):
         def first(k: int, logprobs: torch.Tensor, group: list[int] = group) -> None:
             best = int(logprobs.argmax())
             for j in by_prefix[group[k]]:

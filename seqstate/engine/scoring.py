@@ -1,9 +1,14 @@
-"""Work that decodes nothing, as scheduler jobs: teacher-forced scoring and next-token
-log-probs.
+"""Work that decodes nothing, as scheduler jobs: next-token log-probs and teacher-forced
+scoring.
 
-Each runs on the worker in parts between decode steps (`ROWS_PER_STEP` distinct rows a
-part), so it is serialised with every other call's steps through the scheduler, never beside
-it under a lock of its own, and a long scoring call does not stop other calls for its length.
+Next-token log-probs join the running batch as a call's rows do (`NextJob`): their rows are
+prefilled through the store when they are admitted, their last tokens are fed in the same
+forward as every running call's, and they leave stored after that one step.  Scoring runs on
+the worker in parts between decode steps (`ROWS_PER_STEP` distinct rows a part, its own
+batches: a continuation's many positions and trie forks), so it too is serialised with every
+other call's steps through the scheduler, never beside it under a lock of its own, and a long
+scoring call does not stop other calls for its length.  Both keep memory bounded by the
+scoring budget (`seqstate.backends.scoring`), a group of rows at a time.
 """
 
 from __future__ import annotations
@@ -14,10 +19,10 @@ from typing import Any
 import torch
 
 from seqstate.backends.base import Handle, Scored
-from seqstate.backends.scoring import store_rows
+from seqstate.backends.scoring import prefix_groups, store_rows
 from seqstate.engine.job import Job
 
-__all__ = ["score", "next_logprobs", "stored", "BackendJob"]
+__all__ = ["score", "next_logprobs", "stored", "BackendJob", "NextJob"]
 
 
 class BackendJob(Job):
@@ -98,14 +103,47 @@ def score(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, store:
                          lambda backend, part: backend.score(part, store=store))
 
 
+class NextJob(Job):
+    """Rows whose next-token distribution is read in the running batch: they join as a
+    call's rows do, their last tokens are fed with everyone's, and each row is stored whole
+    before it leaves; the result is the float32 log-softmax ``(rows, V)``."""
+
+    def __init__(self, rows: Sequence[Sequence[int]]) -> None:
+        super().__init__()
+        self.rows = [list(r) for r in rows]
+
+    def needs(self) -> tuple[list[Sequence[int]], int]:
+        return self.rows, 1
+
+    def joined(self, slots: list[int]) -> None:
+        self.slots = list(slots)
+
+    def wants(self) -> tuple[list[int], list[list[int]]]:
+        return list(self.slots), [[row[-1]] for row in self.rows]
+
+    def step(self, batch, logits: list[torch.Tensor]) -> bool:
+        out = torch.stack([lg[-1].float().log_softmax(-1) for lg in logits])
+        for slot, row in zip(self.slots, self.rows):
+            batch.commit(slot, row, len(row))
+        self._release(batch)
+        self.finish(out)
+        return True
+
+
 def next_logprobs(model, rows: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Float32 log-softmax ``(len(rows), V)`` of the next token after each row, on the worker
-    (each row's KV stored; see ``Backend.next_logprobs``)."""
-    if not model.backend.capabilities.steps:          # a server: concurrent requests
-        return model.backend.next_logprobs(rows)
-    out = _run_in_parts(model, rows, [tuple(r) for r in rows],
-                        lambda backend, part: list(backend.next_logprobs(part)))
-    return torch.stack(out) if out else torch.empty(0, model.backend.vocab_size)
+    """Float32 log-softmax ``(len(rows), V)`` of the next token after each row (identical
+    rows computed once, each row's KV stored): groups of rows within the scoring budget
+    join the running batch one after another (`NextJob`); on a server, concurrent requests
+    (``RequestBackend.next_logprobs``)."""
+    backend = model.backend
+    if not backend.capabilities.steps:
+        return backend.next_logprobs(rows)
+    distinct = list(dict.fromkeys(tuple(r) for r in rows))
+    out = torch.empty(len(distinct), backend.vocab_size)
+    for group in prefix_groups(backend, distinct):
+        out[group] = model.scheduler.run(NextJob([distinct[i] for i in group]))
+    where = {row: i for i, row in enumerate(distinct)}
+    return out[[where[tuple(r)] for r in rows]]
 
 
 def stored(model, rows: Sequence[Sequence[int]]) -> list[Handle]:

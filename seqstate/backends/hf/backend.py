@@ -17,7 +17,7 @@ from seqstate.backends.base import Backend, Capabilities, Scored, WorkCounters, 
 from seqstate.backends.hf.batch import HFBatch
 from seqstate.backends.hf.guard import HookGuard
 from seqstate.backends.hf.store import DEFAULT_BUDGET_BYTES, KVStore
-from seqstate.backends.scoring import next_logprobs, score_pairs
+from seqstate.backends.scoring import score_pairs
 
 __all__ = ["HFBackend", "SERIAL_TOKENS", "SERIAL_COLUMNS"]
 
@@ -150,7 +150,3 @@ class HFBackend(Backend):
               store: bool = False) -> list[Scored]:
         """See ``Backend.score``: `seqstate.backends.scoring` over this engine's batches."""
         return score_pairs(self, pairs, store=store)
-
-    def next_logprobs(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
-        """See ``Backend.next_logprobs``."""
-        return next_logprobs(self, rows)

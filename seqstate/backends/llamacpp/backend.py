@@ -59,7 +59,7 @@ from seqstate.backends.base import (Backend, CacheFullError, Capabilities, Score
                                     WorkCounters, single_threaded_torch)
 from seqstate.backends.llamacpp.store import SeqHandle, SeqStore
 from seqstate.backends.prefixes import common_prefix, ensure_stored
-from seqstate.backends.scoring import next_logprobs, score_pairs
+from seqstate.backends.scoring import score_pairs
 from seqstate.errors import ArgumentError, ContextOverflowError
 from seqstate.backends.llamacpp.batch import LlamaCppBatch
 from seqstate.backends.llamacpp.native import (GARBAGE_SEQ, RESERVED_SEQS, SCRATCH_SEQ, Llama,
@@ -325,11 +325,6 @@ class LlamaCppBackend(Backend):
         (continuations on sequences sharing their prefix's cells, freed unless stored)."""
         with self.guarded():
             return score_pairs(self, pairs, store=store)
-
-    def next_logprobs(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
-        """See ``Backend.next_logprobs``."""
-        with self.guarded():
-            return next_logprobs(self, rows)
 
     def fresh_logits(self, tokens: Sequence[int]) -> torch.Tensor:
         """Logits ``(T, V)`` of ``tokens`` evaluated from scratch on a private sequence."""
