@@ -169,6 +169,38 @@ def as_hook(hook: Callable[[SampleEvent], Action]) -> Hook:
     return hook if isinstance(hook, Hook) else _FunctionHook(hook)
 
 
+def checked(hook: Hook, action: Action, row, token: int, allowed: Callable[[int], bool],
+            max_backtracks: int) -> Replace | Resample | Rollback | None:
+    """What ``hook``'s ``action`` on the sampled ``token`` asks of ``row``, checked the same
+    way on every engine: None to go on (``None``, `Accept`, or the row finished because it
+    exceeded ``max_backtracks``: ``row.done``), a `Replace` whose token ``allowed`` accepts,
+    a `Rollback` of ``0 < n <= generated`` tokens, or a `Resample` naming the tokens to ban
+    (the sampled one by default; ``Rollback(0)`` is such a resample).  A resample or rollback
+    counts as a backtrack; a bad action raises `HookError`."""
+    if action is None or isinstance(action, Accept):
+        return None
+    if isinstance(action, Replace):
+        if not allowed(action.token):
+            raise HookError(f"hook {hook!r} replaced token {token} with {action.token}, which "
+                            "the active constraint (or a ban) does not allow here")
+        return action
+    if not isinstance(action, (Resample, Rollback)):
+        raise HookError(f"hook {hook!r} returned {action!r}; expected None, Accept, Replace, "
+                        "Resample or Rollback")
+    row.backtracks += 1
+    if row.backtracks > max_backtracks:
+        row.finish("max_backtracks")
+        return None
+    if isinstance(action, Rollback):
+        if action.n > len(row.generated):
+            raise HookError(f"hook {hook!r} asked to roll back {action.n} tokens but this call "
+                            f"has generated only {len(row.generated)}")
+        if action.n > 0:
+            return action
+        action = Resample()                     # Rollback(0) drops just the sampled token
+    return Resample(tuple(action.ban or (token,)))
+
+
 class _BanPhrases(Hook):
     """The hook behind `ban_phrases()`."""
 

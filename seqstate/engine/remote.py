@@ -32,9 +32,9 @@ from seqstate.constraints.base import Cursor
 from seqstate.constraints.healing import MAX_HEAL_TOKENS
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.engine.step import allowed_mask
-from seqstate.errors import CapabilityError, EngineError, HookError
-from seqstate.hooks import (DEFAULT_MAX_BACKTRACKS, Accept, Hook, Replace, Resample, Rollback,
-                            SampleEvent, as_hook)
+from seqstate.errors import CapabilityError, EngineError
+from seqstate.hooks import (DEFAULT_MAX_BACKTRACKS, Hook, Replace, Rollback, SampleEvent, as_hook,
+                            checked)
 from seqstate.sampling.params import Greedy, Multinomial, Sampler
 
 __all__ = ["run", "beam", "sampling_of", "spec_of", "CONCURRENCY"]
@@ -252,35 +252,28 @@ def _hooked(row: LiveRow, i: int, token, hooks: Sequence[Hook], max_backtracks: 
         event = SampleEvent(i, len(row.tokens), chosen, logprob, None, row.text,
                             row.vocab.decode([chosen]), row.generated, row.offsets,
                             lambda: row.prompt_text)
-        action = hook(event)
-        if action is None or isinstance(action, Accept):
+        action = checked(hook, hook(event), row, chosen, lambda t: _allowed(row, t),
+                         max_backtracks)
+        if row.done:
+            return False
+        if action is None:
             continue
         if isinstance(action, Replace):
-            allowed = row.cursor.allowed() if row.cursor is not None else None
-            if (allowed is not None and not bool(allowed[action.token])) or \
-                    action.token in row.bans.get(len(row.tokens), ()):
-                raise HookError(f"hook {hook!r} replaced token {chosen} with {action.token}, "
-                                "which the active constraint (or a ban) does not allow here")
             chosen, logprob, replaced = action.token, None, True
             continue
-        if not isinstance(action, (Resample, Rollback)):
-            raise HookError(f"hook {hook!r} returned {action!r}; expected None, Accept, "
-                            "Replace, Resample or Rollback")
-        row.backtracks += 1
-        if row.backtracks > max_backtracks:
-            row.finish("max_backtracks")
-            return False
-        if isinstance(action, Rollback) and action.n > 0:
-            if action.n > len(row.generated):
-                raise HookError(f"hook {hook!r} asked to roll back {action.n} tokens but this "
-                                f"call has generated only {len(row.generated)}")
+        if isinstance(action, Rollback):
             row.rollback(action.n)
-        else:                                   # Resample, or Rollback(0): ban it here
-            banned = action.ban if isinstance(action, Resample) and action.ban else (chosen,)
-            row.bans.setdefault(len(row.tokens), set()).update(banned)
+        else:                                   # a resample: the server samples without them
+            row.bans.setdefault(len(row.tokens), set()).update(action.ban)
         return True
     _accept(row, dataclasses.replace(token, token=chosen, logprob=logprob))
     return replaced
+
+
+def _allowed(row: LiveRow, token: int) -> bool:
+    """Whether the row's constraint and bans allow ``token`` next."""
+    mask = allowed_mask(row, row.vocab.size)
+    return mask is None or bool(mask[token])
 
 
 def _abort(rows) -> bool:

@@ -13,8 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
-from seqstate.errors import HookError
-from seqstate.hooks import Accept, Replace, Resample, Rollback, SampleEvent
+from seqstate.hooks import Replace, Rollback, SampleEvent, checked
 from seqstate.sampling.params import Greedy, Sampler
 
 __all__ = ["Stepper", "StepEvent", "allowed_mask", "DEFAULT_MAX_BACKTRACKS"]
@@ -161,33 +160,18 @@ class Stepper:
             event = SampleEvent(i, len(row.tokens), token, logprobs[token].item(), logits,
                                 row.text, self.vocab.decode([token]), row.generated, row.offsets,
                                 lambda: row.prompt_text)
-            action = hook(event)
-            if action is None or isinstance(action, Accept):
-                k += 1
-                continue
-            if isinstance(action, Replace):
-                if not torch.isfinite(masked[action.token]):
-                    raise HookError(f"hook {hook!r} replaced token {token} with {action.token}, "
-                                    "which the active constraint (or a ban) does not allow here")
-                token = action.token
-                k += 1
-                continue
-            if not isinstance(action, (Resample, Rollback)):
-                raise HookError(f"hook {hook!r} returned {action!r}; expected None, Accept, "
-                                "Replace, Resample or Rollback")
-            row.backtracks += 1
-            if row.backtracks > self.max_backtracks:
-                row.finish("max_backtracks")
+            action = checked(hook, hook(event), row, token,
+                             lambda t: bool(torch.isfinite(masked[t])), self.max_backtracks)
+            if row.done:
                 return token, 0
+            if action is None or isinstance(action, Replace):
+                token = token if action is None else action.token
+                k += 1
+                continue
             if isinstance(action, Rollback):
-                if action.n > len(row.generated):
-                    raise HookError(f"hook {hook!r} asked to roll back {action.n} tokens but this "
-                                    f"call has generated only {len(row.generated)}")
-                if action.n > 0:
-                    row.rollback(action.n)
-                    return token, action.n
-                action = Resample()                 # Rollback(0) drops just the sampled token
-            banned = list(action.ban or (token,))
+                row.rollback(action.n)
+                return token, action.n
+            banned = list(action.ban)
             masked[banned] = float("-inf")
             if not torch.isfinite(masked).any():
                 row.finish("dead_end")
