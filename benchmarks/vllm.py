@@ -39,6 +39,9 @@ class Direct:
         self.usage = {"requests": 0, "prompt": 0, "cached": 0, "completion": 0}
 
     def complete(self, prompt: str, **extra) -> str:
+        return self.choices(prompt, **extra)[0]
+
+    def choices(self, prompt: str, **extra) -> list[str]:
         body = {"model": self.served, "prompt": prompt, "temperature": 0, **extra}
         r = self.http.request("POST", self.url + "/v1/completions", body=json.dumps(body),
                               headers={"Content-Type": "application/json"})
@@ -48,7 +51,7 @@ class Direct:
         self.usage["prompt"] += u["prompt_tokens"]
         self.usage["cached"] += (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         self.usage["completion"] += u["completion_tokens"]
-        return answer["choices"][0]["text"]
+        return [c["text"] for c in answer["choices"]]
 
     def program(self, topic: str) -> str:
         text = f"Write one sentence about {topic}."
@@ -79,6 +82,7 @@ def main(model=None) -> None:
         _programs(remote, direct, llama)
         _single_calls(remote, direct)
         _fork(remote)
+        _beams(remote, direct)
     finally:
         server.stop()
 
@@ -140,3 +144,28 @@ def _fork(remote) -> None:
           f"{took * 1000:.0f} ms, {used.forward_calls} request(s), prompt tokens sent "
           f"{used.prefill_tokens + used.cached_tokens_reused} (prefilled {used.prefill_tokens}, "
           f"cached {used.cached_tokens_reused})")
+
+
+def _beams(remote, direct) -> None:
+    """Beam search, 4 prompts at once: seqstate's (one-token requests per beam, selection
+    here) against vLLM's own (``use_beam_search``); the same beams are expected."""
+    prompts = [f"Write one sentence about {t}." for t in TOPICS[:4]]
+    width, tokens = 4, 16
+
+    def ours():
+        return concurrently(lambda p: ss.text(remote)(p, max_tokens=tokens,
+                                                      sampler=ss.beam_search(width)), prompts)
+
+    def theirs():
+        return concurrently(lambda p: direct.choices(p, max_tokens=tokens, n=width,
+                                                     use_beam_search=True), prompts)
+
+    t_ours, t_direct = interleaved([ours, theirs], repeat=3)
+    got = [sorted(s.value[0]) for s in ours()]
+    want = [sorted(texts) for texts in theirs()]
+    same = sum(g == w for g, w in zip(got, want))
+    report(f"beam search: {len(prompts)} concurrent prompts, width {width}, {tokens} tokens", [
+        ("vLLM use_beam_search", t_direct, ""),
+        ("seqstate vllm engine", t_ours, f"same {width} beams on {same}/{len(prompts)} prompts"),
+    ], "vLLM use_beam_search")
+

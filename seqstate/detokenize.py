@@ -230,6 +230,11 @@ class IncrementalDecoder:
     def flush(self) -> str:
         return self._dec.decode(b"", final=True)
 
+    @property
+    def pending(self) -> bytes:
+        """The bytes of a character not complete yet."""
+        return self._dec.getstate()[0]
+
     def copy(self) -> IncrementalDecoder:
         twin = IncrementalDecoder(self._vocab)
         twin._dec.setstate(self._dec.getstate())

@@ -63,7 +63,10 @@ def test_weights_equal_fresh_forward_sums(tiny):
 def test_two_call_program_is_ranked_by_total_weight(tiny):
     first = ss.text(tiny)("Story:", max_tokens=4, sampler=ss.beam_search(3))
     s = ss.choice(tiny, ["good", "bad", "fine"])(first + " Label: ", sampler=ss.beam_search(3))
-    assert s.shape == (1, 3)
+    # the tiny model's beams all spell "fine" (as "f", "fi", "fin" ...): one text, one result
+    assert s.shape[0] == 1 and 1 <= s.shape[1] <= 3
+    texts = [str(row) for row in s.rows]
+    assert len(set(texts)) == len(texts)
     w = s.weights[0].tolist()
     assert w == sorted(w, reverse=True)
     n = len(tiny.encode("Story:"))
@@ -115,6 +118,20 @@ def test_option_scoring_prefills_only_options(fresh_tiny):
     # the state's last token once: its distribution scores both one-token options, and the
     # winner's KV (the state's) is already stored
     assert d.prefill_tokens + d.decode_tokens == 1
+
+
+@pytest.mark.real
+def test_beams_are_texts_not_token_paths(real):
+    """ "Paris" as one token and as "Par" + "is" are one hypothesis: a beam over three options
+    returns the three options (token paths gave "Paris" twice and lost "Marseille")."""
+    options = ["Paris", "Lyon", "Marseille"]
+    s = ss.choice(real, options)("The capital of France is ", sampler=ss.beam_search(3))
+    assert sorted(s.value[0]) == sorted(options)
+    w = s.weights[0].tolist()
+    assert w == sorted(w, reverse=True)
+    for row, weight in zip(s.rows, w):                 # each its own spelling's log-prob
+        start = row.spans[-1].start
+        assert math.isclose(weight, fresh_logprob(real, list(row.tokens), start), abs_tol=1e-3)
 
 
 @pytest.mark.real

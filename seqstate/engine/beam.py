@@ -2,7 +2,10 @@
 
 Each step expands every live beam under its constraint, keeps the best ``width`` children of
 each batch item by cumulative log-prob (earlier calls' weights included) and sets finished
-ones aside (`Beams.advance`).  Where the candidates come from is the engine's business: on an
+ones aside (`Beams.advance`).  Beams are texts, not token paths: two children that spell the
+same text (``"Paris"`` as one token or as ``"Par" + "is"``) are one hypothesis, the better
+scored, so a batch item's ``width`` results are ``width`` different texts where there are so
+many (a constraint reads bytes, so their constraint states are the same too).  Where the candidates come from is the engine's business: on an
 engine that steps rows (`BeamJob`) every beam is a batch slot whose logits give them; a
 parent's first surviving child takes over its slot, the others fork it, and parents with no
 child leave.  Finished beams write their KV back to the store, where beams' shared prefixes
@@ -97,14 +100,20 @@ class Beams:
                 parent = beams[i]
                 child = parent.row.fork()
                 child.accept(token, logprob)
-                key = tuple(child.tokens) + ((-1,) if child.done else ())
+                key = (child.origin, child.text, child.decoder.pending, child.done)
                 if key in seen:
                     continue
                 seen.add(key)
                 grown = parent.length + (len(child.tokens) > len(parent.row.tokens))
                 if child.done:
-                    finished[g].append((commit(parent, child), params.score(total, grown),
-                                        child.origin))
+                    score = params.score(total, grown)
+                    same = [k for k, (r, _, o) in enumerate(finished[g])
+                            if r.text == child.text and o == child.origin]
+                    if same and finished[g][same[0]][1] >= score:
+                        continue                 # the same text found before, better scored
+                    if same:
+                        del finished[g][same[0]]
+                    finished[g].append((commit(parent, child), score, child.origin))
                 else:
                     kept.append(_Beam(child, total, grown, g, parent.slot))
             if not kept and not finished[g]:            # nothing allowed anywhere: dead ends
