@@ -22,9 +22,10 @@ import torch
 from seqstate.errors import CapabilityError, ConstraintError, HookError
 
 __all__ = ["SampleEvent", "Accept", "Replace", "Resample", "Rollback", "Action", "Hook",
-           "as_hook", "ban_phrases", "DEFAULT_MAX_BACKTRACKS"]
+           "as_hook", "ban_phrases", "checked", "DEFAULT_MAX_BACKTRACKS", "TOP_TOKENS"]
 
 DEFAULT_MAX_BACKTRACKS = 32      # resamples and rollbacks a row may take in one call
+TOP_TOKENS = 5                   # alternatives `SampleEvent.top` lists
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,7 +80,7 @@ class SampleEvent:
         the sampled token and its log-prob under the model.
     logits
         the model's logits (V,) at this position (read-only: a view); None on an engine
-        that sends the sampled token's log-prob only (``vllm``).
+        that sends log-probs of a few tokens only (``vllm``: `top` still works there).
     text
         this call's generated text before the token; ``token_text`` is the token's text.
     generated
@@ -93,11 +94,14 @@ class SampleEvent:
 
     def __init__(self, row: int, position: int, token: int, logprob: float, logits: torch.Tensor,
                  text: str, token_text: str, generated: Sequence[int], offsets: Sequence[int],
-                 prompt: Callable[[], str] | str = "") -> None:
+                 prompt: Callable[[], str] | str = "",
+                 top: Sequence[tuple[int, float]] | None = None) -> None:
         self.row, self.position, self.token, self.logprob = row, position, token, logprob
         self.logits, self.text, self.token_text = logits, text, token_text
         self.generated, self.offsets = generated, offsets
         self._prompt = prompt
+        if top is not None:                         # sent by the engine (a server)
+            self.__dict__["top"] = list(top)
 
     @cached_property
     def prompt(self) -> str:
@@ -110,13 +114,14 @@ class SampleEvent:
 
     @cached_property
     def top(self) -> list[tuple[int, float]]:
-        """The 5 most likely tokens and their probabilities (computed on first access)."""
+        """The `TOP_TOKENS` most likely tokens and their probabilities (computed on first
+        access; a server sends them with the token)."""
         if self.logits is None:
-            raise CapabilityError("event.top needs the whole next-token distribution, which "
-                                  "this engine does not send (a server): read event.logprob "
-                                  "instead", "full_logits")
+            raise CapabilityError("event.top needs the next-token distribution, and this event "
+                                  "carries neither logits nor the engine's top tokens: read "
+                                  "event.logprob instead", "full_logits")
         p = self.logits.float().softmax(-1)
-        v, i = p.topk(5)
+        v, i = p.topk(TOP_TOKENS)
         return list(zip(i.tolist(), v.tolist()))
 
 

@@ -194,6 +194,25 @@ def test_resample_replace_and_constraints_with_hooks_equal_the_hf_engine(vllm, r
         assert space not in a.rows[0].tokens[len(vllm.encode_prompt("Tell me about the sea.")):]
 
 
+def test_a_hooks_event_top_equals_the_hf_engines(vllm, real):
+    """The server sends each token's 5 most likely alternatives (raw), so `event.top` reads
+    the same tokens and probabilities as on an engine with the logits."""
+    seen = {}
+
+    def look(model):
+        def hook(event):
+            seen.setdefault(model, []).append((event.token, event.top))
+        return hook
+
+    for model in (vllm, real):
+        ss.text(model)("The capital of France is", max_tokens=6, hooks=[look(model)])
+    assert len(seen[vllm]) == len(seen[real]) == 6
+    for (token, got), (same, want) in zip(seen[vllm], seen[real]):
+        assert token == same and got[0][0] == token
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert max(abs(p - q) for (_, p), (_, q) in zip(got, want)) <= 1e-4
+
+
 def test_a_streamed_hooked_call_yields_only_kept_text(vllm):
     hook = ss.hooks.ban_phrases(["Paris"])
     chunks, final = collect(ss.text(vllm).stream("The capital of France is", max_tokens=16,
@@ -301,7 +320,7 @@ def test_a_stream_closed_early_aborts_its_request(vllm, vllm_server):
     assert running(vllm_server.url) == 0
 
 
-@pytest.mark.parametrize("feature", ["event.top", "full_logits", "custom sampler"])
+@pytest.mark.parametrize("feature", ["full_logits", "custom sampler"])
 def test_features_needing_full_logits_are_refused_before_any_request(vllm, feature):
     state = ss.text(vllm)("Hello", max_tokens=2)
     before = calls(vllm)
@@ -310,16 +329,14 @@ def test_features_needing_full_logits_are_refused_before_any_request(vllm, featu
         pass
 
     run = {
-        "event.top": lambda: ss.text(vllm)(state, hooks=[lambda event: event.top], max_tokens=4),
         "full_logits": lambda: vllm.full_logits([1, 2, 3]),
         "custom sampler": lambda: ss.text(vllm)(state, sampler=Odd(), max_tokens=4),
     }[feature]
     with pytest.raises(ss.CapabilityError) as info:
         run()
     assert info.value.capability == "full_logits"
-    assert info.value.engine == ("" if feature == "event.top" else "vllm")
-    if feature != "event.top":                   # a hook runs on the first streamed token
-        assert calls(vllm) == before
+    assert info.value.engine == "vllm"
+    assert calls(vllm) == before
 
 
 def test_a_vocabulary_that_differs_is_refused(vllm):

@@ -246,9 +246,11 @@ class RequestBackend(Backend, Protocol):
     engine sends each call's rows to `complete` instead of stepping a `Batch`."""
 
     def complete(self, tokens: Sequence[int], *, max_tokens: int, sampling: dict,
-                 spec: dict | None = None, n: int = 1, ignore_eos: bool = False) -> Iterator:
+                 spec: dict | None = None, n: int = 1, ignore_eos: bool = False,
+                 top: int = 0) -> Iterator:
         """Stream ``n`` continuations of ``tokens``: per token, which choice, the token, its
-        raw log-prob, whether it was the argmax, and the choice's finish reason on its last.
+        raw log-prob, whether it was the argmax, its ``top`` most likely alternatives, and the
+        choice's finish reason on its last.
         ``spec`` is the constraint the server runs (`seqstate.constraints.Cursor.remote`,
         with the tokens to replay).  Closing the iterator early aborts the request."""
         ...

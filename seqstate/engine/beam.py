@@ -4,8 +4,10 @@ Each step expands every live beam under its constraint, keeps the best ``width``
 each batch item by cumulative log-prob (earlier calls' weights included) and sets finished
 ones aside (`Beams.advance`).  Beams are texts, not token paths: two children that spell the
 same text (``"Paris"`` as one token or as ``"Par" + "is"``) are one hypothesis, the better
-scored, so a batch item's ``width`` results are ``width`` different texts where there are so
-many (a constraint reads bytes, so their constraint states are the same too).  Where the candidates come from is the engine's business: on an
+scored, and so are two whose constraint already determines the same final text (``"P"`` and
+``"Par"`` in a choice of ``"Paris"`` and ``"Lyon"``), so a batch item's ``width`` results
+are ``width`` different texts where there are so many (a constraint reads bytes, so equal
+texts have equal constraint states too).  Where the candidates come from is the engine's business: on an
 engine that steps rows (`BeamJob`) every beam is a batch slot whose logits give them; a
 parent's first surviving child takes over its slot, the others fork it, and parents with no
 child leave.  Finished beams write their KV back to the store, where beams' shared prefixes
@@ -76,9 +78,11 @@ class Beams:
 
     @property
     def k(self) -> int:
-        """Candidates each live beam needs: ``2 * width`` (a batch item's ``width`` best
-        children are among them even where ``width`` of them finish)."""
-        return 2 * self.params.width
+        """Candidates each live beam offers: ``2 * width`` would hold a batch item's ``width``
+        best children even where ``width`` of them finish; more, because children that spell
+        one text are one (``"a"``, ``"app"`` and ``"apples"`` in a choice of ``"apples"`` and
+        ``"pears"`` leave room for ``"pears"`` only further down)."""
+        return 4 * self.params.width + 16
 
     def advance(self, candidates: Sequence[Candidates],
                 commit: Callable[[_Beam, LiveRow], RowResult]) -> list[_Beam]:
@@ -100,7 +104,7 @@ class Beams:
                 parent = beams[i]
                 child = parent.row.fork()
                 child.accept(token, logprob)
-                key = (child.origin, child.text, child.decoder.pending, child.done)
+                key = _hypothesis(child)
                 if key in seen:
                     continue
                 seen.add(key)
@@ -131,6 +135,25 @@ class Beams:
             else:
                 survivors.extend(kept)
         return survivors
+
+
+def _hypothesis(row: LiveRow) -> tuple:
+    """What a beam stands for: its final text where that is known (a finished beam's, or
+    one its constraint forces to the end: the rest of a choice's option), else its text so
+    far with the bytes of a character not complete yet."""
+    if row.done:
+        return row.origin, row.text
+    forced = row.cursor.draft() if row.cursor is not None else ()
+    end = row.cursor
+    for token in forced:
+        end = end.advance(token)
+        if end is None:
+            break
+    if forced and end is not None and end.complete:
+        decoder = row.decoder.copy()
+        rest = "".join(decoder.push(t) for t in forced) + decoder.flush()
+        return row.origin, row.text + rest
+    return row.origin, row.text, row.decoder.pending
 
 
 def candidates(logits: torch.Tensor, beams: Sequence[_Beam], k: int) -> list[Candidates]:

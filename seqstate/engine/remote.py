@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import queue
 import threading
 from collections.abc import Callable, Generator, Sequence
@@ -33,8 +34,8 @@ from seqstate.constraints.healing import MAX_HEAL_TOKENS
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.engine.step import allowed_mask
 from seqstate.errors import CapabilityError, EngineError
-from seqstate.hooks import (DEFAULT_MAX_BACKTRACKS, Hook, Replace, Rollback, SampleEvent, as_hook,
-                            checked)
+from seqstate.hooks import (DEFAULT_MAX_BACKTRACKS, TOP_TOKENS, Hook, Replace, Rollback,
+                            SampleEvent, as_hook, checked)
 from seqstate.sampling.params import Greedy, Multinomial, Sampler
 
 __all__ = ["run", "beam", "sampling_of", "spec_of", "CONCURRENCY"]
@@ -159,7 +160,7 @@ def run(model, requests: Sequence[RowRequest], sampler: Sampler,
     def pump(request: _Request) -> None:
         stream = backend.complete(request.tokens, max_tokens=request.max_tokens,
                                   sampling=request.sampling, spec=request.spec,
-                                  n=len(request.rows))
+                                  n=len(request.rows), top=TOP_TOKENS if hooks else 0)
         try:
             for token in stream:
                 if (stop.is_set() or _abort(rows[i] for i in request.rows)
@@ -251,7 +252,7 @@ def _hooked(row: LiveRow, i: int, token, hooks: Sequence[Hook], max_backtracks: 
     for hook in hooks:
         event = SampleEvent(i, len(row.tokens), chosen, logprob, None, row.text,
                             row.vocab.decode([chosen]), row.generated, row.offsets,
-                            lambda: row.prompt_text)
+                            lambda: row.prompt_text, [(t, math.exp(lp)) for t, lp in token.top])
         action = checked(hook, hook(event), row, chosen, lambda t: _allowed(row, t),
                          max_backtracks)
         if row.done:

@@ -44,13 +44,15 @@ class RemoteHandle:
 class Token:
     """One token of a streamed request: which of its ``n`` choices, the token, its raw
     log-prob, whether it is the most likely token there, and the choice's finish reason
-    (set on its last token, or on an empty final event: ``token`` None)."""
+    (set on its last token, or on an empty final event: ``token`` None); ``top``: the most
+    likely tokens there with their raw log-probs, best first, when the request asked."""
 
     index: int
     token: int | None
     logprob: float | None
     argmax: bool
     finish: str | None = None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class _NoStore:
@@ -94,14 +96,15 @@ class VllmBackend(Backend):
 
     # -- whole requests ------------------------------------------------------------------------
     def complete(self, tokens: Sequence[int], *, max_tokens: int, sampling: dict[str, Any],
-                 spec: dict[str, Any] | None = None, n: int = 1,
-                 ignore_eos: bool = False) -> Iterator[Token]:
+                 spec: dict[str, Any] | None = None, n: int = 1, ignore_eos: bool = False,
+                 top: int = 0) -> Iterator[Token]:
         """Stream one request: ``n`` continuations of ``tokens`` sampled with ``sampling``
-        (vLLM's names: temperature, top_p, seed, ...), constrained by the plugin ``spec``.
-        Closing the iterator early aborts the request on the server."""
+        (vLLM's names: temperature, top_p, seed, ...), constrained by the plugin ``spec``,
+        each token with its ``top`` most likely alternatives when ``top`` > 0.  Closing the
+        iterator early aborts the request on the server."""
         body: dict[str, Any] = {
             "model": self.served, "prompt": list(tokens), "max_tokens": max_tokens, "n": n,
-            "logprobs": 1, "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "logprobs": max(1, top), "return_token_ids": True, "return_tokens_as_token_ids": True,
             "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos, **sampling}
         if spec is not None:
             body["vllm_xargs"] = {"seqstate": json.dumps({"vocab": self.fingerprint, **spec})}
@@ -109,7 +112,7 @@ class VllmBackend(Backend):
             if event.get("usage"):
                 self._count_usage(event["usage"])
             for choice in event.get("choices", ()):
-                yield from _tokens(choice)
+                yield from _tokens(choice, top)
 
     def top(self, tokens: Sequence[int], k: int,
             allowed: torch.Tensor | None = None) -> list[tuple[int, float]]:
@@ -223,8 +226,9 @@ class VllmBackend(Backend):
         self.client.close()
 
 
-def _tokens(choice: dict[str, Any]) -> Iterator[Token]:
-    """The tokens of one streamed choice, with their raw log-probs and argmax flags."""
+def _tokens(choice: dict[str, Any], keep: int = 0) -> Iterator[Token]:
+    """The tokens of one streamed choice, with their raw log-probs and argmax flags (and
+    their ``keep`` most likely alternatives)."""
     index = choice.get("index", 0)
     ids = choice.get("token_ids") or []
     lp = choice.get("logprobs") or {}
@@ -235,7 +239,10 @@ def _tokens(choice: dict[str, Any]) -> Iterator[Token]:
         top = tops[k] if k < len(tops) and tops[k] else {}
         best = max(top.values(), default=logprob)
         last = k == len(ids) - 1
+        alternatives = () if not keep else tuple(sorted(
+            ((int(key.rpartition(":")[2]), lp) for key, lp in top.items()),
+            key=lambda item: item[1], reverse=True)[:keep])
         yield Token(index, token, logprob, logprob is not None and logprob >= best,
-                    finish if last else None)
+                    finish if last else None, alternatives)
     if not ids and finish is not None:
         yield Token(index, None, None, False, finish)
