@@ -394,8 +394,11 @@ def test_a_server_that_dies_mid_call_is_a_typed_error_and_loses_nothing(vllm_ser
         model = ss.models.vllm(f"http://127.0.0.1:{httpd.server_address[1]}")
         state = ss.from_tokens(model, [model.encode_prompt("Hello there")])
         snapshot = (state.token_ids, str(state))
-        with pytest.raises(ss.EngineError):
-            ss.text(model)(state, max_tokens=8)
+        for call in (lambda: ss.text(model)(state, max_tokens=8),
+                     lambda: ss.text(model)(state, max_tokens=4, sampler=ss.beam_search(2)),
+                     lambda: state.next_logprobs()):
+            with pytest.raises(ss.EngineError):
+                call()
         _, final = collect(ss.text(model).stream(state, max_tokens=1))      # one token: fine
         assert final.token_ids[0][0][-1] == 504
         assert (state.token_ids, str(state)) == snapshot
