@@ -7,13 +7,15 @@ same text (``"Paris"`` as one token or as ``"Par" + "is"``) are one hypothesis, 
 scored, and so are two whose constraint already determines the same final text (``"P"`` and
 ``"Par"`` in a choice of ``"Paris"`` and ``"Lyon"``), so a batch item's ``width`` results
 are ``width`` different texts where there are so many (a constraint reads bytes, so equal
-texts have equal constraint states too).  Where the candidates come from is the engine's business: on an
-engine that steps rows (`BeamJob`) every beam is a batch slot whose logits give them; a
-parent's first surviving child takes over its slot, the others fork it, and parents with no
-child leave.  Finished beams write their KV back to the store, where beams' shared prefixes
-are stored once.  A beam search is a scheduler job like any call: its rows share decode steps
-with others.  On a server (`seqstate.engine.remote.beam`) every beam's step is a one-token
-request for the log-probs of its most likely allowed tokens.
+texts have equal constraint states too).
+
+Where the candidates come from is the engine's business.  On an engine that steps rows
+(`BeamJob`) every beam is a batch slot whose logits give them; a parent's first surviving
+child takes over its slot, the others fork it, and parents with no child leave.  Finished
+beams write their KV back to the store, where beams' shared prefixes are stored once.  A beam
+search is a scheduler job like any call: its rows share decode steps with others.  On a
+server (`seqstate.engine.remote.beam`) every beam's step is a one-token request for the
+log-probs of its most likely allowed tokens.
 """
 
 from __future__ import annotations

@@ -119,16 +119,17 @@ class VllmBackend(Backend):
         """The ``k`` most likely next tokens after ``tokens`` among ``allowed`` (a bool mask
         over the vocabulary; None: all), best first, with their raw log-probs.  Exact in
         every case: up to 128 allowed tokens are asked for by id; otherwise the server's
-        ``4k`` most likely are filtered, and where fewer than ``k`` of them are allowed, the
-        whole distribution is read (``logprobs=-1``, ~1.8 MB of JSON).  One request of one
-        token (its sampled token is dropped)."""
+        ``4k`` (at least 64) most likely are filtered, and where fewer than ``k`` of them are
+        allowed, the whole distribution is read (``logprobs=-1``, ~1.8 MB of JSON).  One
+        request of one token (its sampled token is dropped)."""
         ids = None if allowed is None else allowed.nonzero().flatten().tolist()
         if ids is not None and len(ids) <= MAX_LOGPROB_IDS:
             got = self._next(tokens, logprob_token_ids=ids) if ids else {}
         else:
             want = k if ids is None else min(max(4 * k, 64), self.vocab_size)
             got = self._next(tokens, logprobs=want)
-            if ids is not None and sum(bool(allowed[t]) for t in got) < k and want < self.vocab_size:
+            few = ids is not None and sum(bool(allowed[t]) for t in got) < k
+            if few and want < self.vocab_size:
                 got = self._next(tokens, logprobs=-1)
         if allowed is not None:
             got = {t: lp for t, lp in got.items() if bool(allowed[t])}
@@ -213,7 +214,6 @@ class VllmBackend(Backend):
 
     def batch(self):
         raise self._refuse("stepping rows one token at a time")
-
 
     def fresh_logits(self, tokens: Sequence[int]):
         raise self._refuse("model.full_logits()")
