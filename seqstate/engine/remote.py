@@ -215,7 +215,7 @@ def run(model, requests: Sequence[RowRequest], sampler: Sampler,
     for row in rows:
         if not row.done:            # the server ended the request without a reason we know
             row.finish("max_tokens")
-    return [row.result(backend.handle(min(len(row.tokens) - 1, row.kv_limit))) for row in rows]
+    return [_result(backend, row) for row in rows]
 
 
 def beam(model, beams, on_step: Callable[[], None] | None = None) -> list:
@@ -231,15 +231,18 @@ def beam(model, beams, on_step: Callable[[], None] | None = None) -> list:
     def top(b) -> list[tuple[int, float]]:
         return backend.top(b.row.tokens, beams.k, allowed_mask(b.row, size))
 
-    def commit(parent, row: LiveRow) -> RowResult:
-        return row.result(backend.handle(min(len(row.tokens) - 1, row.kv_limit)))
-
     with ThreadPoolExecutor(max_workers=CONCURRENCY, thread_name_prefix="seqstate-beam") as pool:
         while beams.live:
-            beams.live = beams.advance(list(pool.map(top, beams.live)), commit)
+            beams.live = beams.advance(list(pool.map(top, beams.live)),
+                                       lambda parent, row: _result(backend, row))
             if on_step is not None:
                 on_step()
     return beams.finished
+
+
+def _result(backend, row: LiveRow) -> RowResult:
+    """A finished row's result, its handle on the KV the server's cache may hold for it."""
+    return row.result(backend.handle(min(len(row.tokens) - 1, row.kv_limit)))
 
 
 def _hooked(row: LiveRow, i: int, token, hooks: Sequence[Hook], max_backtracks: int) -> bool:
@@ -249,10 +252,11 @@ def _hooked(row: LiveRow, i: int, token, hooks: Sequence[Hook], max_backtracks: 
         _accept(row, token)
         return False
     chosen, logprob, replaced = token.token, token.logprob, False
+    top = [(t, math.exp(lp)) for t, lp in token.top]       # the position's, whatever is chosen
     for hook in hooks:
         event = SampleEvent(i, len(row.tokens), chosen, logprob, None, row.text,
                             row.vocab.decode([chosen]), row.generated, row.offsets,
-                            lambda: row.prompt_text, [(t, math.exp(lp)) for t, lp in token.top])
+                            lambda: row.prompt_text, top)
         action = checked(hook, hook(event), row, chosen, lambda t: _allowed(row, t),
                          max_backtracks)
         if row.done:

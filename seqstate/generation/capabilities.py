@@ -6,9 +6,10 @@ Which feature needs which `Capabilities` field (the mapping the field docs state
 full_logits        hooks on an engine that steps rows (a `SampleEvent` carries the
                    whole next-token distribution, and a resample draws from it
                    again; a server runs them on its stream, ``event.logits`` None);
-                   beam search there (every beam is expanded over the whole
-                   vocabulary; a server sends each beam's most likely allowed
-                   tokens instead); ``state.next_logprobs()``
+                   beam search and ``state.next_logprobs()`` there (every beam
+                   is expanded over the whole vocabulary; a server sends each
+                   beam's most likely allowed tokens, and a whole distribution
+                   per request, instead)
 prefix_sharing     forking: ``num_samples=k > 1`` on a one-sample state (the samples
                    share their prompt's KV); beam search (beams fork as they split)
 batching           a decoding call over more than one row (several prompts or

@@ -313,8 +313,8 @@ def vllm(url: str, *, model: str | None = None, tokenizer: Any = None,
 
     ``tokenizer`` defaults to the served folder's (when the server runs on this machine);
     ``model`` picks one of several served models.  Features that need the whole
-    distribution at every generated token (custom samplers, ``event.top`` in hooks,
-    ``model.full_logits``) are refused with `seqstate.CapabilityError` before any request.
+    distribution at every position (custom samplers, ``model.full_logits``) are refused with
+    `seqstate.CapabilityError` before any request; hooks see ``event.logits`` as None.
     """
     return VllmModel(url, tokenizer, model=model, timeout=timeout, name=name)
 

@@ -139,9 +139,7 @@ class VllmBackend(Backend):
         """Float32 log-probs ``(len(rows), V)`` of the next token after each row: one request
         per distinct row for its whole raw distribution (``logprobs=-1``; ~0.6 s and 1.8 MB
         of JSON per row for a 49k vocabulary), concurrent."""
-        distinct = list(dict.fromkeys(tuple(r) for r in rows))
-        with ThreadPoolExecutor(max_workers=max(1, min(SCORE_CONCURRENCY, len(distinct)))) as pool:
-            done = dict(zip(distinct, pool.map(self._distribution, distinct)))
+        done = _concurrently(self._distribution, [tuple(r) for r in rows])
         if not rows:
             return torch.empty(0, self.vocab_size)
         return torch.stack([done[tuple(r)] for r in rows])
@@ -189,9 +187,7 @@ class VllmBackend(Backend):
         server's prefix cache serves every continuation of one prefix; ``store`` changes
         nothing (the server caches what it computes anyway)."""
         work = [(tuple(p), tuple(c)) for p, c in pairs]
-        distinct = list(dict.fromkeys(w for w in work if w[1]))
-        with ThreadPoolExecutor(max_workers=max(1, min(SCORE_CONCURRENCY, len(distinct)))) as pool:
-            done = dict(zip(distinct, pool.map(self._forced, distinct)))
+        done = _concurrently(self._forced, [w for w in work if w[1]])
         return [done[w] if w[1] else Scored((), ()) for w in work]
 
     def _forced(self, pair: tuple[tuple[int, ...], tuple[int, ...]]) -> Scored:
@@ -224,6 +220,14 @@ class VllmBackend(Backend):
 
     def close(self) -> None:
         self.client.close()
+
+
+def _concurrently(fn, items: Sequence[Any]) -> dict[Any, Any]:
+    """``fn`` of each distinct item (hashable), up to `SCORE_CONCURRENCY` requests in flight
+    at once (vLLM batches them)."""
+    distinct = list(dict.fromkeys(items))
+    with ThreadPoolExecutor(max_workers=max(1, min(SCORE_CONCURRENCY, len(distinct)))) as pool:
+        return dict(zip(distinct, pool.map(fn, distinct)))
 
 
 def _tokens(choice: dict[str, Any], keep: int = 0) -> Iterator[Token]:
