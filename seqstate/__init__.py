@@ -4,8 +4,8 @@ from seqstate import backends, constraints, engine, grammars, hooks, models, sam
 from seqstate.batch import BatchError, run_batch
 from seqstate.conversation import chat
 from seqstate.errors import (ActivationHookError, ArgumentError, BatchMismatch, CapabilityError,
-                             ChatTemplateError, ConstraintError, ContextOverflowError, EngineError,
-                             HookError,
+                             CaptureNotFound, ChatTemplateError, ConstraintError,
+                             ContextOverflowError, EngineError, HookError, LogitsError,
                              ModelMismatch, ModelNotAvailable, SampleMismatch, SeqStateError,
                              SlicingError)
 from seqstate.generation import (Generator, cfg, choice, continuous, final_state, json, regex,
@@ -21,4 +21,5 @@ __all__ = [
     "SeqStateError", "SlicingError", "BatchMismatch", "SampleMismatch", "ModelMismatch",
     "ConstraintError", "ContextOverflowError", "ModelNotAvailable", "HookError", "ArgumentError",
     "ChatTemplateError", "CapabilityError", "ActivationHookError", "EngineError",
+    "CaptureNotFound", "LogitsError",
 ]

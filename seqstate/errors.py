@@ -21,6 +21,8 @@ __all__ = [
     "ArgumentError",
     "CapabilityError",
     "EngineError",
+    "CaptureNotFound",
+    "LogitsError",
 ]
 
 
@@ -81,8 +83,10 @@ class ActivationHookError(SeqStateError, RuntimeError):
 
 
 class ArgumentError(SeqStateError, TypeError, ValueError):
-    """An argument of the wrong type or value: a generator call's or a sampler's keyword, or
-    what ``ss.chat`` and ``ss.run_batch`` are given.
+    """An argument of the wrong type or value: a prompt, a generator call's or a sampler's
+    keyword, what ``ss.from_tokens``, ``ss.continuous``, ``ss.chat`` and ``ss.run_batch`` are
+    given, or a combination a call does not take (hooks with beam search, ``token_healing``
+    on ``resume()``).
 
     It is both a ``TypeError`` and a ``ValueError``, so code written for either catches it.
     """
@@ -105,3 +109,19 @@ class EngineError(SeqStateError, ConnectionError):
     """An engine that did not answer: a server unreachable, dead mid-call or refusing a
     request for a reason of its own.  Raised to the caller of the call that met it; every
     existing state stays as it was, and the model is usable again once its engine is."""
+
+
+class CaptureNotFound(SeqStateError, KeyError):
+    """``state[name]`` or ``state.captures[name]`` for a name no call of the state's rows
+    recorded (never named, or its tokens were sliced off).  A ``KeyError``, so ``name in
+    state.captures`` and ``state.captures.get(name)`` behave as for any mapping."""
+
+    def __str__(self) -> str:
+        # KeyError's own str() is the repr of its argument: quotes around a whole sentence
+        return str(self.args[0]) if self.args else ""
+
+
+class LogitsError(SeqStateError, ValueError):
+    """Logits the decoding step cannot use: the wrong shape from a custom step driving
+    ``ss.engine.Stepper``, or a row whose every logit is NaN or infinite (usually fp16/bf16
+    overflow in the model's forward)."""

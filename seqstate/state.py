@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import operator
+import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from seqstate import scores
-from seqstate.errors import BatchMismatch, ModelMismatch, SlicingError
+from seqstate.errors import (ArgumentError, BatchMismatch, CaptureNotFound, ModelMismatch,
+                             SlicingError)
 from seqstate.indexing import is_prefix, normalize, token_positions
 from seqstate.rows import Chat, Row, Span, not_a_conversation
 
@@ -58,7 +61,10 @@ class SequenceState:
 
     def __post_init__(self) -> None:
         if len(self.rows) != self.n_batch * self.n_samples:
-            raise ValueError(f"{len(self.rows)} rows do not make a {self.n_batch}x{self.n_samples} state")
+            raise ArgumentError(f"a {self.n_batch}x{self.n_samples} state has "
+                                f"{self.n_batch * self.n_samples} rows (batch-major), got "
+                                f"{len(self.rows)}; build states with ss.from_tokens or a "
+                                "generator")
 
     # -- shape and contents -------------------------------------------------------------------
     @property
@@ -428,8 +434,8 @@ class Captures(Mapping):
     def __getitem__(self, name: str) -> Any:
         found = [self._row(r) for r in self.state.rows]
         if not any(name in f for f in found):
-            raise KeyError(f"no call named {name!r} in this state; named calls: "
-                           f"{sorted(self) or 'none'} (name one with gen(state, name=...))")
+            raise CaptureNotFound(f"no call named {name!r} in this state; named calls: "
+                                  f"{sorted(self) or 'none'} (name one with gen(state, name=...))")
         return self.state._per_row([f.get(name) for f in found])
 
     def __iter__(self):
@@ -479,14 +485,20 @@ def from_tokens(model: Any, token_ids: Sequence[Sequence[int]]) -> SequenceState
     >>> ss.from_tokens(model, [[1, 2, 3], [4]]).shape
     (2, 1)
     """
-    if not token_ids:
-        raise ValueError("from_tokens needs at least one row of token ids")
+    try:
+        # operator.index takes ints, numpy ints and integer tensors; floats and str are refused
+        rows_ids = [tuple(operator.index(t) for t in ids) for ids in token_ids]
+    except TypeError:
+        rows_ids = None
+    if not rows_ids:
+        raise ArgumentError(f"from_tokens takes one list of int token ids per batch item, at "
+                            f"least one (an empty prompt is [[]]), got {reprlib.repr(token_ids)}")
     size = model.vocab.size
     rows = []
-    for ids in token_ids:
-        ids = tuple(int(t) for t in ids)
+    for ids in rows_ids:
         bad = [t for t in ids if not 0 <= t < size]
         if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{size - 1})")
+            raise ArgumentError(f"token ids {bad[:5]} are outside the vocabulary (0..{size - 1}) "
+                                f"of {model.name}; were they made by another tokenizer?")
         rows.append(Row(ids, None, (None,) * len(ids), (None,) * len(ids)))
     return SequenceState(model, tuple(rows), len(rows), 1)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
+from seqstate.errors import LogitsError
 from seqstate.hooks import Replace, Rollback, SampleEvent, checked
 from seqstate.sampling.params import Greedy, Sampler
 
@@ -102,12 +103,20 @@ class Stepper:
         """Advance every live row by one token given its logits (B_live, V), in ``live`` order
         (or only ``rows``, live rows given in that order)."""
         live = self.live if rows is None else list(rows)
-        if logits.shape[0] != len(live):
-            raise ValueError(f"expected logits for {len(live)} live rows, got {logits.shape[0]}")
+        if not (isinstance(logits, torch.Tensor) and logits.dim() == 2
+                and logits.shape[0] == len(live)):
+            got = (f"shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor)
+                   else type(logits).__name__)
+            raise LogitsError(f"expected logits for {len(live)} live rows, a tensor of shape "
+                              f"({len(live)}, vocab) in `live` order, got {got}; feed one row of "
+                              f"logits per row of stepper.live (or of `rows`)")
         # a finite peak means a finite logit: the whole check only where a row's peak is not
         if (not torch.isfinite(logits.amax(dim=-1)).all()                               # (B,)
                 and not torch.isfinite(logits).any(dim=-1).all()):
-            raise ValueError("a row's logits are all NaN/inf; check the model or the custom step")
+            raise LogitsError(f"a row's logits are all NaN/inf (dtype {logits.dtype}): most likely "
+                              "the model's forward overflowed in float16/bfloat16; load it with "
+                              "dtype=torch.float32 (or bfloat16 rather than float16), else check "
+                              "its weights or the custom step that made these logits")
         logits = logits.float()
         # 1. constrain: disallowed tokens get -inf; a row with nothing allowed is a dead end
         logprobs = logits.log_softmax(dim=-1)                                           # (B, V)

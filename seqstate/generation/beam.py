@@ -6,7 +6,7 @@ import dataclasses
 
 from seqstate.call import Call
 from seqstate.engine.beam import beam_run
-from seqstate.errors import SampleMismatch
+from seqstate.errors import ArgumentError, SampleMismatch
 from seqstate.generation import capabilities
 from seqstate.generation.prompts import Prompt
 from seqstate.generation.streaming import final_state
@@ -27,7 +27,9 @@ def beam(gen, prompt: Prompt, call: Call, resume: bool) -> SequenceState:
         raise SampleMismatch(f"beam search returns width={params.width} samples per batch item; "
                              f"got num_samples={call.num_samples} (leave it out)")
     if call.hooks:
-        raise ValueError("hooks are not supported with beam search yet; use greedy or multinomial")
+        raise ArgumentError(f"hooks run with greedy or multinomial sampling, not beam search; "
+                            f"got {len(call.hooks)} hook(s) with ss.beam_search({params.width}): "
+                            "drop hooks=..., or sample with ss.greedy() / ss.multinomial()")
     capabilities.check_beam(gen.model, params)
     state, requests, span_starts, healed = gen._prepare(
         prompt, dataclasses.replace(call, num_samples=None), resume)

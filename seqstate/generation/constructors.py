@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from seqstate.constraints import compile as compiled
+from seqstate.errors import ArgumentError
 from seqstate.generation.generator import Generator
 from seqstate.generation.scoring import ScoredChoice
 from seqstate.models.base import BaseModel as Model
@@ -36,7 +37,8 @@ def choice(model: Model, options: Any, *, method: str = "generate",
     if method == "score":
         return ScoredChoice(model, options, length_normalize)
     if method != "generate":
-        raise ValueError(f"method must be 'generate' or 'score', got {method!r}")
+        raise ArgumentError(f"choice(method=...) is 'generate' (decode under the options' "
+                            f"constraint) or 'score' (rank whole options), got {method!r}")
     return Generator(model, compiled.choice(model, options), "choice")
 
 

@@ -16,7 +16,7 @@ from seqstate.call import CALL_PARAMETERS, Call, CallOptions
 from seqstate.constraints.base import Constraint, Cursor
 from seqstate.engine.decode import run
 from seqstate.engine.rows import RowRequest, RowResult
-from seqstate.errors import ConstraintError
+from seqstate.errors import ArgumentError, ConstraintError
 from seqstate.generation import capabilities, prompts
 from seqstate.generation.beam import beam
 from seqstate.generation.healing import healed as heal
@@ -138,7 +138,9 @@ class Generator:
             capabilities.check_fork(self.model, state.n_samples)
         capabilities.check_call(self.model, len(state.rows), bool(call.hooks))
         if resume and call.token_healing:
-            raise ValueError("resume() continues tokens already generated; token_healing does not apply")
+            raise ArgumentError("resume() continues tokens already generated, so there is no "
+                                "prompt boundary to heal; got token_healing=True: leave it out "
+                                "of resume(), or call the generator on the state to heal")
         rows, cursors, span_starts, healed, replays = [], [], [], [], []
         for r in state.rows:
             last = r.last_span

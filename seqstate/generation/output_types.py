@@ -19,6 +19,7 @@ from outlines.types import CFG, JsonSchema, Regex
 
 from seqstate.constraints.grammar import GrammarConstraint
 from seqstate.constraints.regex_constraint import RegexConstraint
+from seqstate.errors import ArgumentError
 from seqstate.generation.constructors import cfg, choice, json, regex, text
 from seqstate.generation.generator import Generator
 from seqstate.models.base import BaseModel as Model
@@ -47,8 +48,10 @@ def continuous(generator_or_model: Any, output_type: Any = None) -> Generator:
         return for_output_type(output_type, generator_or_model)
     gen = generator_or_model
     if not isinstance(gen, SteerableGenerator):
-        raise TypeError(f"continuous() takes an outlines steerable Generator or (seqstate model, "
-                        f"output_type), got {type(gen).__name__}")
+        raise ArgumentError(f"continuous() takes an outlines steerable Generator (such as "
+                            f"outlines.Generator(model, output_type) on an outlines Transformers "
+                            f"model) or (seqstate model, output_type), got "
+                            f"{type(gen).__name__}; pass a seqstate model with the output type")
     om = gen.model
     model = _MODELS.get(om)
     if model is None:
@@ -108,8 +111,9 @@ def _json_schema(output_type: JsonSchema, model: Model) -> Generator:
 # -- outlines generators -----------------------------------------------------------------------
 @functools.singledispatch
 def _from_processor(processor: Any, model: Model) -> Generator:
-    raise TypeError(f"cannot wrap an outlines generator whose processor is "
-                    f"{type(processor).__name__}; use continuous(model, output_type) instead")
+    raise ArgumentError(f"continuous() wraps outlines generators whose logits processor is "
+                        f"outlines_core's or llguidance's, got {type(processor).__name__}; use "
+                        f"continuous(model, output_type) instead")
 
 
 @_from_processor.register(type(None))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Sequence
 from typing import Any
 
 from seqstate.call import DEFAULT_MAX_TOKENS, MAX_CONSTRAINED_TOKENS, Call
 from seqstate.engine.rows import RowRequest
-from seqstate.errors import ContextOverflowError, ModelMismatch, SampleMismatch
+from seqstate.errors import ArgumentError, ContextOverflowError, ModelMismatch, SampleMismatch
 from seqstate.models.base import BaseModel
 from seqstate.rows import Row
 from seqstate.state import SequenceState
@@ -36,7 +37,10 @@ def as_state(model: BaseModel, prompt: Prompt) -> SequenceState:
         return prompt._with_rows([r if r.tokens else prompt_row(model, "") for r in prompt.rows])
     texts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(texts, (list, tuple)) or not texts or not all(isinstance(t, str) for t in texts):
-        raise TypeError(f"a prompt is a str, a non-empty list of str or a SequenceState, got {prompt!r}")
+        raise ArgumentError(f"a prompt is a str, a non-empty list of str (one per batch item) or "
+                            f"a SequenceState, got {type(prompt).__name__} "
+                            f"{reprlib.repr(prompt)}; encode other values as text first, or "
+                            "build a state from token ids with ss.from_tokens")
     rows = [prompt_row(model, t) for t in texts]
     return SequenceState(model, tuple(rows), len(rows), 1)
 

@@ -7,6 +7,7 @@ from typing import Any
 from seqstate.call import Call
 from seqstate.constraints import compile as compiled
 from seqstate.engine.scoring import score, stored
+from seqstate.errors import ArgumentError
 from seqstate.generation import capabilities, prompts
 from seqstate.generation.generator import Generator
 from seqstate.generation.prompts import Prompt
@@ -28,7 +29,9 @@ class ScoredChoice(Generator):
 
     def _stream(self, prompt: Prompt, call: Call, resume: bool, chunks: bool = True):
         if resume:
-            raise ValueError("a scored choice has nothing to resume; call it again instead")
+            raise ArgumentError("resume() continues a constraint part-way through its tokens, but "
+                                "choice(method='score') adds a whole option in one step, so there "
+                                "is nothing to resume; call the generator on the state instead")
         start = prompts.as_state(self.model, prompt)
         state = prompts.fork(start, call.num_samples)
         if state is not start:
