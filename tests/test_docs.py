@@ -94,3 +94,59 @@ def test_reference_renders_clean_in_chromium(tmp_path):
                                "tiny", "load", "ban_phrases", "Capabilities"}
     missing = [n for n in sorted(names) if not re.search(rf'id="([\w.]*\.)?{n}"', dom)]
     assert not missing, f"public names missing from the reference: {missing}"
+
+
+# -- what pages say about the protocol and about other projects ------------------------------------
+def test_the_backend_page_lists_every_capability():
+    import dataclasses
+
+    from seqstate.backends.base import Capabilities
+
+    page = (ROOT / "docs" / "concepts" / "backends.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith("| `capabilities` |"))
+    fields = [f.name for f in dataclasses.fields(Capabilities) if f.name != "name"]
+    assert [f for f in fields if f"`{f}`" not in row] == []
+    assert "`capabilities.steps`" in page              # and what it means, in prose
+
+
+def test_the_comparison_lists_the_three_engines_and_serving():
+    page = (ROOT / "docs" / "comparison.md").read_text()
+    assert "not built yet" not in page
+    backends = next(line for line in page.splitlines() if line.startswith("| Model backends |"))
+    seqstate_cell = backends.split("|")[2]
+    for engine in ("transformers", "llama.cpp", "vLLM"):
+        assert engine in seqstate_cell
+    serving = next(line for line in page.splitlines() if line.startswith("| Production serving"))
+    assert serving.split("|")[2].strip().startswith("yes")
+
+
+def test_lm_evals_hf_backend_groups_rows_as_the_lm_eval_page_says(fresh_tiny):
+    """lm-eval.md: lm-eval's HF backend runs one row per distinct context + answer[:-1], so
+    one-token answers share a forward and longer ones mostly do not.  Checked against the
+    installed lm-eval, so an lm-eval that changes it fails here before the page misleads."""
+    import pytest
+
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    page = (ROOT / "docs" / "tutorials" / "lm-eval.md").read_text()
+    assert "runs each (context, answer) pair as its own padded row" not in page
+    assert "`context + answer[:-1]`" in page and "PR #1425" in page
+    model = fresh_tiny                          # its own weights: the hook below stays here
+    lm = HFLM(pretrained=model.hf_model, tokenizer=model.hf_tokenizer, batch_size=1)
+    rows = []                                   # the rows of each forward lm-eval runs
+    model.hf_model.register_forward_pre_hook(lambda module, args: rows.append(len(args[0])))
+    context = "Question: Which is a colour?\nAnswer:"
+
+    def forwarded(answers):
+        rows.clear()
+        lm.loglikelihood([Instance("loglikelihood", {}, (context, a), i)
+                          for i, a in enumerate(answers)], disable_tqdm=True)
+        return sum(rows)
+
+    one_token = [" red", " table", " seven"]
+    assert [len(model.encode(a)) for a in one_token] == [1, 1, 1]
+    assert forwarded(one_token) == 1                        # one row for the question
+    assert forwarded([" dark red", " a table", " seven apples"]) == 3      # one per answer
+    assert forwarded([" the moon", " the sun"]) == 1        # they differ only in the last token

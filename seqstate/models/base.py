@@ -69,7 +69,15 @@ class BaseModel:
 
     @property
     def engine(self) -> str:
-        """The backend's name: ``"hf"`` or ``"llama.cpp"``."""
+        """The engine's name (``backend.capabilities.name``): ``"hf"``, ``"llama.cpp"`` or
+        ``"vllm"``, as in `seqstate.CapabilityError`'s ``engine``.
+
+        Examples
+        --------
+        >>> import seqstate as ss
+        >>> ss.models.testing.tiny().engine
+        'hf'
+        """
         return self.backend.capabilities.name
 
     @property

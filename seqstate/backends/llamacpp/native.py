@@ -15,10 +15,12 @@ notes in `seqstate.backends.llamacpp.backend`):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import llama_cpp as ll
 import numpy as np
@@ -26,8 +28,8 @@ import torch
 
 from seqstate.errors import ModelNotAvailable
 
-__all__ = ["Llama", "check_gguf", "quiet_logs", "usable_cores", "SCRATCH_SEQ", "GARBAGE_SEQ",
-           "RESERVED_SEQS", "KV_TYPES", "GGUF_MAGIC"]
+__all__ = ["Llama", "check_gguf", "padding_only", "quiet_logs", "logged_errors", "usable_cores",
+           "SCRATCH_SEQ", "GARBAGE_SEQ", "RESERVED_SEQS", "KV_TYPES", "GGUF_MAGIC"]
 
 GGUF_MAGIC = b"GGUF"
 
@@ -43,6 +45,7 @@ RESERVED_SEQS = 2
 KV_TYPES = ((ll.GGML_TYPE_F16, ll.GGML_TYPE_Q8_0), (ll.GGML_TYPE_F16, ll.GGML_TYPE_F32))
 _BYTES = {ll.GGML_TYPE_F16: 2.0, ll.GGML_TYPE_F32: 4.0, ll.GGML_TYPE_Q8_0: 34 / 32}
 _STATE_HEADER = 8             # magic and sequence id before a sequence state's cells
+_LOG_ERROR = 4                # GGML_LOG_LEVEL_ERROR
 
 
 def check_gguf(path: str | os.PathLike) -> None:
@@ -61,6 +64,24 @@ def check_gguf(path: str | os.PathLike) -> None:
             f"loads with ss.models.transformers())")
 
 
+def padding_only(path: str | os.PathLike, start: int) -> bool:
+    """True when every token of the GGUF file at ``path`` from id ``start`` on is unused
+    padding (llama.cpp's UNUSED attribute: ids a converter adds to round the vocabulary up to
+    the embedding's rows), so that a tokenizer of ``start`` tokens is the file's own.  Reads
+    the vocabulary only."""
+    params = ll.llama_model_default_params()
+    params.vocab_only = True
+    model = ll.llama_model_load_from_file(os.fspath(path).encode(), params)
+    if not model:
+        return False
+    try:
+        vocab = ll.llama_model_get_vocab(model)
+        return all(ll.llama_vocab_get_attr(vocab, token) & ll.LLAMA_TOKEN_ATTR_UNUSED
+                   for token in range(start, ll.llama_vocab_n_tokens(vocab)))
+    finally:
+        ll.llama_model_free(model)
+
+
 def _ignore_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     """llama.cpp's log callback: seqstate keeps the C library quiet."""
 
@@ -72,6 +93,53 @@ _QUIET_LOG = ll.llama_log_callback(_ignore_log)
 def quiet_logs() -> None:
     """Silence llama.cpp's C logging (its log callback is one for the whole process)."""
     ll.llama_log_set(_QUIET_LOG, None)
+
+
+@contextlib.contextmanager
+def logged_errors() -> Iterator[list[str]]:
+    """The error lines llama.cpp logs while the block runs, which say why a load failed.
+
+    The log callback is one for the whole process: the one set before keeps receiving every
+    line (quiet or not, as it was) and is set again after the block.
+    """
+    previous, data = ll.llama_log_callback(), ctypes.c_void_p()
+    ll.llama_log_get(ctypes.byref(previous), ctypes.byref(data))
+    errors: list[str] = []
+
+    def capture(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        if level == _LOG_ERROR and text:
+            errors.append(text.decode(errors="replace").strip())
+        if previous:
+            previous(level, text, data)
+
+    callback = ll.llama_log_callback(capture)      # referenced until the block ends
+    ll.llama_log_set(callback, data)
+    try:
+        yield errors
+    finally:
+        ll.llama_log_set(previous, data)
+
+
+def _cause(line: str) -> str:
+    """One of llama.cpp's error lines without the name of the C function that logged it."""
+    return re.sub(r"^\w+: ", "", line).removeprefix("error loading model: ")
+
+
+def _not_loaded(path: str, errors: list[str]) -> str:
+    """Why llama.cpp refused a file that starts as a GGUF file does, and what to do."""
+    # the first line is the cause; later ones report the failure again
+    reason = _cause(errors[0]) if errors else "no reason logged"
+    version = getattr(ll, "__version__", "?")
+    arch = (f"an architecture the llama.cpp inside llama-cpp-python {version} does not know "
+            "(a newer llama-cpp-python may; ss.models.transformers() reads some GGUF files too)")
+    cut = "a truncated or damaged file (an interrupted download or copy: fetch it again)"
+    if "architecture" in reason:
+        causes = arch
+    elif any(word in reason for word in ("bounds", "incomplete", "corrupted", "file size")):
+        causes = cut
+    else:
+        causes = f"{arch}, or {cut}"
+    return f"llama.cpp could not load {path!r} (llama.cpp: {reason}); the likely cause: {causes}"
 
 
 def _free_llama(model: ll.llama_model_p, ctx: ll.llama_context_p, batch: ll.llama_batch) -> None:
@@ -88,9 +156,11 @@ class Llama:
         if quiet:
             quiet_logs()
         ll.llama_backend_init()
-        self.model = ll.llama_model_load_from_file(path.encode(), ll.llama_model_default_params())
+        with logged_errors() as errors:
+            self.model = ll.llama_model_load_from_file(path.encode(),
+                                                       ll.llama_model_default_params())
         if not self.model:
-            raise ModelNotAvailable(f"llama.cpp could not load {path!r}; expected a GGUF model file")
+            raise ModelNotAvailable(_not_loaded(path, errors))
         params = ll.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = params.n_ubatch = n_batch
@@ -101,13 +171,21 @@ class Llama:
         params.no_perf = True
         for self.k_type, self.v_type in KV_TYPES:
             params.type_k, params.type_v = self.k_type, self.v_type
-            self.ctx = ll.llama_init_from_model(self.model, params)
+            with logged_errors() as errors:
+                self.ctx = ll.llama_init_from_model(self.model, params)
             if self.ctx:
                 break
         if not self.ctx:
+            kv_gib = n_ctx * self.bytes_per_cell() / 2**30
             ll.llama_model_free(self.model)
-            raise ModelNotAvailable(f"llama.cpp could not create a context for {path!r} with "
-                                    f"n_ctx={n_ctx}, n_seq_max={n_seq_max}, n_batch={n_batch}")
+            # the first line says what ran out, the last what it was for
+            said = "; ".join(dict.fromkeys(_cause(e) for e in errors[:1] + errors[-1:]))
+            said = f" (llama.cpp: {said})" if said else ""
+            raise ModelNotAvailable(
+                f"llama.cpp could not create a context for {path!r} with n_ctx={n_ctx}, "
+                f"n_seq_max={n_seq_max}, n_batch={n_batch}{said}; its KV cache alone takes "
+                f"about {kv_gib:.2f} GiB, and most often memory ran out: pass a smaller n_ctx "
+                f"(KV cells shared by every state and row) or a smaller n_seq_max")
         self.mem = ll.llama_get_memory(self.ctx)
         self.n_batch = n_batch
         self.n_seq_max = n_seq_max
@@ -139,7 +217,20 @@ class Llama:
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
                outputs: Sequence[bool]) -> int:
-        """One ``llama_decode``; returns its status (0 ok, 1 no free cells: nothing changed)."""
+        """One ``llama_decode``; returns its status (llama.h, llama-cpp-python 0.3.36):
+
+        - 0: done;
+        - 1: no KV slot for the batch: too few free cells (nothing changed);
+        - 2: aborted by the abort callback;
+        - -1: an invalid batch, such as a token id outside the vocabulary, a sequence id
+          of ``n_seq_max`` or more, or positions that do not continue the sequence's stored
+          ones (nothing changed);
+        - -2: a fatal failure, usually memory: the KV cache could not prepare the batch, or
+          the output or compute buffers could not be allocated;
+        - -3: the computation failed.
+
+        After 2, -2 and -3 the ubatches already computed stay in the cache.
+        """
         n = len(tokens)
         self._token[:n] = tokens
         self._pos[:n] = positions
