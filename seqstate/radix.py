@@ -7,11 +7,20 @@ subclass `Node` with their payload (the HF engine: a KV tensor segment; llama.cp
 sequence id that carries the path) and override `Node.weight`, the amount the tree accounts
 per node (bytes, cells).
 
-`RadixTree` owns what every store needs: the longest-prefix walk, pins through handles
-(`PinnedPrefix`), linking and unlinking nodes with their accounting, and an incremental
-set of *evictable* nodes (unpinned, childless, not the root) kept in least-recently-used
-order, so choosing what to evict is a heap pop, never a scan of the tree.  What to evict
-and when (a byte budget, no free sequence ids) stays with the engine.
+`RadixTree` owns what every store needs: the longest-prefix walk, handles (`PinnedPrefix`),
+linking and unlinking nodes with their accounting, and an incremental set of *evictable*
+nodes (childless, not the root, no hard pin) kept in least-recently-used order, so choosing
+what to evict is a heap pop, never a scan of the tree.  What to evict and when (a byte
+budget, no free sequence ids) stays with the engine.
+
+A handle is one of two kinds.  A *hard* pin is work in progress (a prefill, a working row
+borrowing stored KV): its node cannot be evicted.  A *soft* reference is what a live state
+holds: the KV is a cache, not a lease, so a referenced node is evicted like any other under
+pressure, least recently used first, and the state's tokens are computed again when it is
+next continued.  Soft references count on every node of their path (``refs``), which is what
+makes KV *live*: `RadixTree.live_evictions` counts live nodes evicted, and an evicted live
+node stays reachable as *lost* from its parent until its last reference goes, so a prefill
+can tell which of the tokens it computes are computed again (`RadixTree.lost_end`).
 
 *Scratch* nodes hold KV that must never be matched: what was computed while a
 ``frozen_store()`` block was open (activation hooks may have edited it), and anything below
@@ -25,16 +34,26 @@ Examples
 >>> a = tree.attach(Node(tree.root, 0, (1, 2, 3)))
 >>> tree.match([1, 2, 3, 4]).length     # the longest stored prefix
 3
->>> kept = tree.match([1, 2])            # a live handle pins node `a`
+>>> kept = tree.match([1, 2])            # a hard pin: work in progress on node `a`
 >>> tree.lru_leaf() is None
 True
 >>> del kept
 >>> tree.lru_leaf() is a
 True
+>>> state = tree.match([1, 2]).soft()   # a live state's reference does not block eviction
+>>> tree.lru_leaf() is a, tree.held
+(True, 3)
+>>> tree.remove(a)
+>>> tree.live_evictions, tree.lost_end([1, 2, 3, 4])    # lost, computed again when needed
+(1, 3)
+>>> del state
+>>> tree.lost_end([1, 2, 3, 4])
+0
 >>> tree.verify()
 
 A scratch node is reachable only through its handle, and goes with it:
 
+>>> a = tree.attach(Node(tree.root, 0, (1, 2, 3)))
 >>> h = tree.scratch(Node(a, 3, (4, 5)))
 >>> h.length, tree.match([1, 2, 3, 4, 5]).length, tree.scratch_count
 (5, 3, 1)
@@ -59,13 +78,16 @@ __all__ = ["Node", "PinnedPrefix", "RadixTree", "RadixStore"]
 class Node:
     """A span of stored tokens, hanging off ``parent`` after ``offset`` of its tokens.
 
-    ``start`` is the position of the first token in the path; ``pins`` counts live handles
-    ending in this node (and scratch children hanging off it); ``last_used`` is the tick of
-    the last walk that reached it; ``scratch`` marks a node no walk may reach.
+    ``start`` is the position of the first token in the path; ``pins`` counts hard pins
+    ending in this node (and scratch children hanging off it); ``refs`` counts soft
+    references ending in this node or below it; ``last_used`` is the tick of the last walk
+    that reached it; ``scratch`` marks a node no walk may reach; ``lost`` holds the evicted
+    children that live states still refer to, by offset and first token (several may share
+    one place: a child evicted, stored again and evicted again).
     """
 
-    __slots__ = ("__weakref__", "children", "last_used", "offset", "parent", "pins", "scratch",
-                 "start", "tokens")
+    __slots__ = ("__weakref__", "children", "last_used", "lost", "offset", "parent", "pins",
+                 "refs", "scratch", "start", "tokens")
 
     def __init__(self, parent: Node | None, offset: int, tokens: tuple[int, ...]) -> None:
         self.parent = parent
@@ -73,7 +95,9 @@ class Node:
         self.start = 0 if parent is None else parent.start + offset
         self.tokens = tokens
         self.children: dict[int, dict[int, Node]] = {}   # offset -> first token -> child
+        self.lost: dict[tuple[int, int], list[Node]] = {}  # (offset, token) -> lost children
         self.pins = 0
+        self.refs = 0
         self.last_used = 0
         self.scratch = False
 
@@ -93,29 +117,34 @@ class Node:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(start={self.start}, len={len(self.tokens)}, "
-                f"pins={self.pins})")
+                f"pins={self.pins}, refs={self.refs})")
 
 
 N = TypeVar("N", bound=Node)
 
 
 class PinnedPrefix:
-    """A pinned reference to the first ``length`` tokens of a stored path.
+    """A reference to the first ``length`` tokens of a stored path: a hard pin or a soft one.
 
     ``node`` is the node the prefix ends in and ``rel`` how many of its tokens are included.
-    While the handle is alive ``tree`` keeps the node, and so every ancestor
-    (``tree._pin(node, +1)``; the matching ``-1`` runs when the handle is collected).
-    Handles are immutable and shared freely between states.
+    While a *hard* handle is alive ``tree`` keeps the node, and so every ancestor
+    (``tree._pin(node, +1)``; the matching ``-1`` runs when the handle is collected): work in
+    progress holds these.  A *soft* handle (`soft`) only marks its path live (``refs``):
+    the tree may evict it under pressure, after which `stored` is False and the tokens are
+    computed again when needed.  Live states hold soft handles.  Handles are immutable and
+    shared freely between states.
     """
 
-    __slots__ = ("__weakref__", "node", "rel", "tree")
+    __slots__ = ("__weakref__", "hard", "node", "rel", "tree")
 
-    def __init__(self, tree: Any, node: Any, rel: int) -> None:
+    def __init__(self, tree: Any, node: Any, rel: int, hard: bool = True) -> None:
         self.tree = tree
         self.node = node
         self.rel = rel                                # tokens of `node` included
-        tree._pin(node, +1)
-        weakref.finalize(self, tree._pin, node, -1)
+        self.hard = hard
+        change = tree._pin if hard else tree._ref
+        change(node, +1)
+        weakref.finalize(self, change, node, -1)
 
     @property
     def length(self) -> int:
@@ -130,10 +159,21 @@ class PinnedPrefix:
         node = self.node
         while node.parent is not None and n <= node.start:
             node = node.parent
-        return type(self)(self.tree, node, n - node.start)
+        return type(self)(self.tree, node, n - node.start, self.hard)
+
+    def soft(self) -> PinnedPrefix:
+        """A soft handle on the same prefix (what a state keeps): live, yet evictable."""
+        return self if not self.hard else type(self)(self.tree, self.node, self.rel, False)
+
+    @property
+    def stored(self) -> bool:
+        """Whether this prefix's KV is still in the store (False once its node was evicted;
+        a scratch prefix is kept while any handle refers to it)."""
+        return self.node.scratch or self.tree._linked(self.node)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(length={self.length})"
+        kind = "" if self.hard else ", soft"
+        return f"{type(self).__name__}(length={self.length}{kind})"
 
 
 class RadixTree(Generic[N]):
@@ -162,9 +202,11 @@ class RadixTree(Generic[N]):
         self.release = release
         self.lock = threading.RLock()
         self.size = 0                                 # total weight of every node but the root
-        self.held = 0                                 # weight of pinned nodes
+        self.held = 0                                 # weight of live nodes (soft references)
         self.count = 0                                # nodes but the root
         self.evictions = 0                            # nodes removed
+        self.live_evictions = 0                       # of those, live ones (then lost)
+        self.lost_count = 0                           # lost nodes still referenced
         self.frozen = 0                               # open `freeze()` blocks
         self.scratch_count = 0                        # live scratch nodes (in no count above)
         self.scratch_size = 0                         # their weight
@@ -256,7 +298,8 @@ class RadixTree(Generic[N]):
             raise ValueError(f"cannot attach {node!r}: it needs a parent, tokens, no pins")
         if not (0 < node.offset or parent is self.root) or node.offset > len(parent.tokens):
             raise ValueError(f"cannot attach {node!r} at offset {node.offset} of {parent!r}")
-        if not (self._linked(parent) or (scratch and parent.scratch and parent.pins > 0)):
+        if not (self._linked(parent)
+                or (scratch and parent.scratch and (parent.pins or parent.refs))):
             raise ValueError(f"cannot attach below {parent!r}: it is not in the tree")
 
     def _linked(self, node: N) -> bool:
@@ -278,7 +321,9 @@ class RadixTree(Generic[N]):
                 self.frozen -= 1
 
     def remove(self, node: N) -> None:
-        """Unlink an evictable ``node`` (unpinned, childless); its parent may become evictable."""
+        """Unlink an evictable ``node`` (no hard pin, childless); its parent may become
+        evictable.  A live node (soft references reach it) is kept as *lost* below its
+        parent while they last; the engine drops its payload."""
         with self.lock:
             if node not in self._evictable:
                 raise ValueError(f"{node!r} is pinned, has children or is not in the tree")
@@ -291,15 +336,47 @@ class RadixTree(Generic[N]):
             self.size -= node.weight
             self.count -= 1
             self.evictions += 1
+            if node.refs:
+                self.held -= node.weight
+                self.live_evictions += 1
+                self.lost_count += 1
+                parent.lost.setdefault((node.offset, node.tokens[0]), []).append(node)
             self._maybe_evictable(parent)
+
+    def lost_end(self, tokens: Sequence[int], limit: int | None = None) -> int:
+        """The position a walk of ``tokens[:limit]`` reaches through stored nodes and lost
+        ones (evicted while live states referred to them): past the stored prefix, the
+        tokens a prefill now computes again.  Does not count as a use.
+
+        A lost path may leave a stored one anywhere, and a stored node may have replaced a
+        lost one at the same place (a later prefill of the same tokens), so every node that
+        spells the tokens so far is followed at once."""
+        limit = len(tokens) if limit is None else limit
+        with self.lock:
+            frontier: dict[tuple[int, int], tuple[N, int]] = {(id(self.root), 0): (self.root, 0)}
+            pos = 0
+            while pos < limit:
+                tok, reached = tokens[pos], {}
+                for node, rel in frontier.values():
+                    if rel < len(node.tokens) and node.tokens[rel] == tok:
+                        reached[id(node), rel + 1] = (node, rel + 1)
+                    stored = node.child(rel, tok)
+                    for child in [*node.lost.get((rel, tok), ()), stored]:
+                        if child is not None:
+                            reached[id(child), 1] = (child, 1)
+                if not reached:
+                    break
+                frontier, pos = reached, pos + 1
+            return pos
 
     # -- pins and eviction order --------------------------------------------------------------
     def _pin(self, node: N, delta: int) -> None:
+        """A hard pin on ``node`` taken (+1) or dropped (-1)."""
         with self.lock:
             before = node.pins
             node.pins += delta
-            while node.scratch and node.pins == 0:    # its last pin went: so does it
-                self.scratch_count -= 1
+            while node.scratch and node.pins == 0 and node.refs == 0:
+                self.scratch_count -= 1               # its last handle went: so does it
                 self.scratch_size -= node.weight
                 if self.release is not None:
                     self.release(node)
@@ -309,11 +386,34 @@ class RadixTree(Generic[N]):
             if node.scratch:
                 return
             if before == 0 and node.pins > 0:
-                self.held += node.weight
                 self._evictable.discard(node)
             elif before > 0 and node.pins == 0:
-                self.held -= node.weight
                 self._maybe_evictable(node)
+
+    def _forget(self, node: N) -> None:
+        """A lost node no live state refers to any more leaves its parent's ``lost``."""
+        key = (node.offset, node.tokens[0])
+        group = node.parent.lost[key]
+        group.remove(node)
+        if not group:
+            del node.parent.lost[key]
+        self.lost_count -= 1
+
+    def _ref(self, node: N, delta: int) -> None:
+        """A soft reference on the path ending in ``node`` taken (+1) or dropped (-1)."""
+        with self.lock:
+            while node is not self.root:
+                parent = node.parent
+                node.refs += delta
+                if node.refs == 0 and node.scratch and node.pins == 0:
+                    self._pin(node, 0)                # its last handle went: so does it
+                elif node.refs == (1 if delta > 0 else 0) and not node.scratch:
+                    if self._linked(node):            # it became live, or stopped being
+                        self.held += node.weight if delta > 0 else -node.weight
+                    elif delta < 0:                   # lost, and no longer live: forgotten
+                        self._forget(node)
+                node = parent
+            node.refs += delta
 
     def _maybe_evictable(self, node: N) -> None:
         if node.parent is not None and not node.children and node.pins == 0:
@@ -360,11 +460,12 @@ class RadixTree(Generic[N]):
                 self._verify_links(node)
                 count += 1
                 size += node.weight
-                held += node.weight if node.pins else 0
+                held += node.weight if node.refs else 0
                 if not node.children and not node.pins:
                     evictable.add(node)
                 if check is not None:
                     check(node)
+            self._verify_refs()
             if (size, held, count) != (self.size, self.held, self.count):
                 raise RuntimeError(f"accounting drift: the tree has {size} / {held} held / {count} "
                                    f"nodes, counters say {self.size} / {self.held} / {self.count}")
@@ -375,9 +476,23 @@ class RadixTree(Generic[N]):
             if any(id(n) not in current for n in evictable):
                 raise RuntimeError("an evictable node has no current entry in the LRU order")
 
+    def _verify_refs(self) -> None:
+        """A soft reference counts on every node of its path: a node has at least the
+        references of its children, linked or lost; a lost node is live and unlinked."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            lost = [c for group in node.lost.values() for c in group]
+            below = [c for g in node.children.values() for c in g.values()] + lost
+            if node.refs < sum(c.refs for c in below):
+                raise RuntimeError(f"{node!r} has fewer references than its children")
+            if any(not c.refs or self._linked(c) or c.parent is not node for c in lost):
+                raise RuntimeError(f"a lost node below {node!r} is linked, or not live")
+            stack.extend(below)
+
     def _verify_links(self, node: N) -> None:
         parent = node.parent
-        if node.pins < 0 or not node.tokens:
+        if node.pins < 0 or node.refs < 0 or not node.tokens:
             raise RuntimeError(f"corrupt node {node!r}")
         if not (0 < node.offset or parent is self.root) or node.offset > len(parent.tokens):
             raise RuntimeError(f"node {node!r} hangs outside its parent {parent!r}")
@@ -405,3 +520,4 @@ class RadixStore:
         """A block (re-entrant, any thread) during which nothing is stored: see
         ``model.frozen_store()``."""
         return self.tree.freeze()
+

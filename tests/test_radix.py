@@ -1,10 +1,12 @@
 """The radix tree under every engine's store (`seqstate.radix`), with no model.
 
-A Hypothesis state machine inserts, matches, pins, unpins and evicts at random and checks the
-tree against a plain model: the set of stored token prefixes, the live handles and a log of
-when each prefix was last walked.  After every step `verify()` holds, every pinned prefix is
-still stored, `match` finds the longest stored prefix and the leaf offered for eviction is the
-least recently used unpinned childless node.
+A Hypothesis state machine inserts, matches, pins, refers (soft handles, as states hold),
+unpins and evicts at random and checks the tree against a plain model: the set of stored token
+prefixes, the live handles and a log of when each prefix was last walked.  After every step
+`verify()` holds, every hard-pinned prefix is still stored, `match` finds the longest stored
+prefix, the leaf offered for eviction is the least recently used childless node no hard pin
+holds (soft references do not protect it), live KV is accounted as the nodes soft handles
+reach, and every evicted node a soft handle reaches counts as a live eviction.
 """
 
 import pytest
@@ -44,6 +46,8 @@ class Tree(RuleBasedStateMachine):
         self.tree = RadixTree(Node(None, 0, ()))
         self.stored = {()}                    # every stored token prefix
         self.handles: list[tuple[PinnedPrefix, tuple[int, ...]]] = []   # with the tokens named
+        self.soft: list[tuple[PinnedPrefix, tuple[int, ...]]] = []      # states' references
+        self.live_evictions = 0
         self.scratch: list[tuple[PinnedPrefix, tuple[int, ...]]] = []   # handles on scratch nodes
         self.walks: list[tuple[int, tuple[int, ...]]] = []               # (tick, prefix walked)
         self.tick = 0
@@ -63,7 +67,7 @@ class Tree(RuleBasedStateMachine):
     def live_scratch(self):
         """Every scratch node a live handle reaches (its own node, then scratch ancestors)."""
         live = {}
-        for h, _ in self.scratch:
+        for h, _ in self.scratch + self.soft:
             node = h.node
             while node.scratch:
                 live[id(node)] = node
@@ -80,6 +84,16 @@ class Tree(RuleBasedStateMachine):
     def evictable(self):
         pinned = self.pinned()
         return [n for n in self.tree.nodes() if not n.children and id(n) not in pinned]
+
+    def live(self):
+        """Nodes on the path of a soft handle (linked or not)."""
+        nodes = {}
+        for h, _ in self.soft:
+            node = h.node
+            while node.parent is not None:
+                nodes[id(node)] = node
+                node = node.parent
+        return nodes
 
     # -- operations ---------------------------------------------------------------------------
     @rule(rows=st.lists(st.tuples(TOKENS, st.booleans()), min_size=1, max_size=4))
@@ -115,6 +129,29 @@ class Tree(RuleBasedStateMachine):
     def unpin(self, data):
         del self.handles[data.draw(st.integers(0, len(self.handles) - 1))]
 
+    @precondition(lambda self: self.handles or self.scratch)
+    @rule(data=st.data())
+    def refer(self, data):
+        """A state keeps a soft handle on a pinned prefix (stored or scratch)."""
+        pool = self.handles + self.scratch
+        h, tokens = pool[data.draw(st.integers(0, len(pool) - 1))]
+        soft = h.soft()
+        assert not soft.hard and soft.length == h.length and soft.stored
+        self.soft.append((soft, tokens))
+
+    @precondition(lambda self: self.soft)
+    @rule(data=st.data())
+    def soft_prefix_or_drop(self, data):
+        i = data.draw(st.integers(0, len(self.soft) - 1))
+        if data.draw(st.booleans()):
+            h, tokens = self.soft[i]
+            n = data.draw(st.integers(0, len(tokens)))
+            p = h.prefix(n)
+            assert not p.hard and p.length == n and tokens_to(p.node, n) == tokens[:n]
+            self.soft.append((p, tokens[:n]))
+        else:
+            del self.soft[i]
+
     @rule(data=st.data(), extra=TOKENS)
     def hang_scratch(self, data, extra):
         """A scratch node below a live handle (stored or scratch), or below the root."""
@@ -149,6 +186,7 @@ class Tree(RuleBasedStateMachine):
             assert any(c is leaf for c in candidates)
             assert self.recency(leaf) == min(map(self.recency, candidates))   # LRU
             gone = {tokens_to(leaf, k) for k in range(leaf.start + 1, leaf.end + 1)}
+            self.live_evictions += id(leaf) in self.live()
             self.tree.remove(leaf)
             self.stored -= gone
 
@@ -156,6 +194,7 @@ class Tree(RuleBasedStateMachine):
     def clear(self):
         while (leaf := self.tree.lru_leaf()) is not None:
             self.stored -= {tokens_to(leaf, k) for k in range(leaf.start + 1, leaf.end + 1)}
+            self.live_evictions += id(leaf) in self.live()
             self.tree.remove(leaf)
         assert not self.evictable()
 
@@ -164,8 +203,10 @@ class Tree(RuleBasedStateMachine):
     def consistent(self):
         self.tree.verify()
         assert self.tree.size == len(self.stored) - 1       # one token per stored prefix
-        assert self.tree.held == sum(len(n.tokens) for n in self.pinned().values()
-                                     if n.parent is not None)
+        linked = {id(n) for n in self.tree.nodes()}
+        assert self.tree.held == sum(len(n.tokens) for n in self.live().values()
+                                     if id(n) in linked)    # live KV: what soft handles reach
+        assert self.tree.live_evictions == self.live_evictions
         live = self.live_scratch()                          # scratch goes with its last pin
         assert self.tree.scratch_count == len(live)
         assert self.tree.scratch_size == sum(len(n.tokens) for n in live)
@@ -176,6 +217,14 @@ class Tree(RuleBasedStateMachine):
         for h, tokens in self.handles:
             assert tokens in self.stored
             assert h.length == len(tokens) and tokens_to(h.node, h.length) == tokens
+        for h, tokens in self.soft:                         # stored, or lost and known so
+            linked = {id(n) for n in self.tree.nodes()} | {id(self.tree.root)}
+            assert h.stored == (h.node.scratch or id(h.node) in linked)
+            if h.stored and not h.node.scratch:
+                assert tokens in self.stored
+            elif not h.node.scratch:                        # evicted: its tokens still known
+                assert self.tree.lost_end(tokens) == len(tokens)
+            assert tokens_to(h.node, h.length) == tokens
         for h, tokens in self.scratch:                      # readable, never matched
             assert tokens_to(h.node, h.length) == tokens
             assert self.tree.match(tokens).length == self.longest(tokens)
@@ -257,7 +306,8 @@ def test_hf_store_accounts_bytes_and_evicts_lru_under_budget():
         return torch.randn(layers, 2, heads, n, dim)
 
     store = KVStore()
-    base = store.extend((1, 2, 3, 4), 0, kv(4))
+    base = store.extend((1, 2, 3, 4), 0, kv(4))      # a hard pin: work in progress
+    state = base.soft()                              # and a state's reference: live KV
     for t in range(5, 9):                     # four 2-token leaves after the pinned base
         store.extend((1, 2, 3, 4, t, t), 4, kv(2))
     store.match((1, 2, 3, 4, 5, 5))           # 5 5 used most recently
@@ -270,6 +320,10 @@ def test_hf_store_accounts_bytes_and_evicts_lru_under_budget():
     store.verify()
     assert store.clear() == 5 * per_token and store.bytes_cached == 4 * per_token
     assert [(s.tokens, lo, hi) for s, lo, hi in base.prefix(3).pieces()] == [((1, 2, 3, 4), 0, 3)]
+    store.verify()
+    del base                                  # the state's reference alone does not keep it
+    assert store.clear() == 4 * per_token and not state.stored and store.live_evictions == 1
+    assert store.bytes_held == 0 and store.match((1, 2, 3, 4)).length == 0
     store.verify()
 
 

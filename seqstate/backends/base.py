@@ -8,9 +8,11 @@ the backend's business: torch segments in a radix store (``hf``), sequences shar
 llama.cpp (``llamacpp``), or a remote server's prefix cache.
 
 Handles
-    A handle pins the KV of the first ``length`` tokens of one row's token path.  States hold
-    handles; while one is alive the backend never drops that KV.  ``handle.prefix(n)`` is a
-    handle on the first ``n`` tokens (slicing back), sharing the same stored KV.
+    A handle names the KV of the first ``length`` tokens of one row's token path.  States hold
+    handles, but stored KV is a cache, not a lease: the backend drops the least recently used
+    under pressure, whether a state refers to it or not, and computes it again from the
+    tokens when it is next needed (only KV that work in progress uses is kept).
+    ``handle.prefix(n)`` is a handle on the first ``n`` tokens (slicing back).
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ __all__ = ["Capabilities", "WorkCounters", "Handle", "Scored", "Batch", "Backend
 
 
 class CacheFullError(ContextOverflowError):
-    """The engine's shared KV cache has no room *now*: what is left is pinned by live states
-    or held by working rows, though the request would fit without them.  ``Batch.add``,
-    ``forward`` and ``extend`` raise it (having changed nothing) after evicting every stored
-    path no state pins; the scheduler then pauses newer calls instead of failing this one.
-    A plain `ContextOverflowError` from ``add`` means the rows cannot fit even alone."""
+    """The engine's shared KV cache has no room *now*: what is left is held by working rows
+    (and the stored paths they borrow), though the request would fit without them.
+    ``Batch.add``, ``forward`` and ``extend`` raise it (having changed nothing) after evicting
+    every stored path no work in progress uses; the scheduler then pauses newer calls
+    instead of failing this one.  A plain `ContextOverflowError` from ``add`` means the rows
+    cannot fit even alone."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,6 +104,7 @@ class WorkCounters:
     of these names (`zeros`), and the model's ``stats`` are these plus its KV accounting."""
 
     prefill_tokens: int = 0          # tokens whose KV was computed in a prefill forward
+    recomputed_tokens: int = 0       # of those, computed again: a live state's KV was evicted
     decode_tokens: int = 0           # tokens fed one-per-row in decode steps
     cached_tokens_reused: int = 0    # tokens whose KV came from the store instead of a forward
     forward_calls: int = 0
@@ -115,7 +119,8 @@ class WorkCounters:
 
 @runtime_checkable
 class Handle(Protocol):
-    """A pinned reference to the KV of the first ``length`` tokens of a row."""
+    """A reference to the KV of the first ``length`` tokens of a row (a state's: the KV may
+    be evicted meanwhile and is then computed again)."""
 
     @property
     def length(self) -> int: ...
@@ -194,7 +199,8 @@ class Batch(Protocol):
         ...
 
     def commit(self, slot: int, tokens: Sequence[int], length: int) -> Handle:
-        """Store the slot's KV of ``tokens[:length]`` so later rows reuse it; a pinned handle."""
+        """Store the slot's KV of ``tokens[:length]`` so later rows reuse it; a handle for a
+        state (the KV stays while there is room, least recently used goes first)."""
         ...
 
     def close(self) -> None:

@@ -11,9 +11,12 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["SHARED_PREFIX_MIN", "common_prefix", "shared_prefixes", "ensure_stored"]
+__all__ = ["SHARED_PREFIX_MIN", "common_prefix", "shared_prefixes", "trie_size", "ensure_stored"]
 
-SHARED_PREFIX_MIN = 16        # a shared uncached prefix this long is prefilled once for all
+# a shared uncached prefix this long is prefilled once for all: any length, so the tokens
+# computed are exactly the trie of the rows (a round per level of nesting; a short prefix
+# recomputed per row would cost a few tokens a row and break the count)
+SHARED_PREFIX_MIN = 1
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -25,8 +28,20 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def trie_size(paths: Sequence[tuple[int, ...]]) -> tuple[int, int]:
+    """(distinct token prefixes, paths that are no prefix of another): the tokens and the
+    branch tips of ``paths`` stored together, each shared prefix once."""
+    ordered = sorted(set(paths))
+    cells = leaves = 0
+    for i, p in enumerate(ordered):
+        cells += len(p) - (common_prefix(p, ordered[i - 1]) if i else 0)
+        nxt = ordered[i + 1] if i + 1 < len(ordered) else None
+        leaves += bool(p) and not (nxt is not None and nxt[:len(p)] == p)
+    return cells, leaves
+
+
 def shared_prefixes(targets: list[tuple[int, ...]], cached: list[int]) -> list[tuple[int, ...]]:
-    """Prefixes shared by two or more targets that extend well past what is cached."""
+    """Prefixes shared by two or more targets that extend past what is cached."""
     order = sorted(range(len(targets)), key=lambda i: targets[i])
     shared = set()
     for a, b in itertools.pairwise(order):
@@ -41,17 +56,25 @@ def shared_prefixes(targets: list[tuple[int, ...]], cached: list[int]) -> list[t
 def ensure_stored(store: Any, rows: Sequence[Sequence[int]],
                   run_tails: Callable[[list[tuple[tuple[int, ...], Any]]], list[Any]],
                   count: Callable[..., None]) -> list[Any]:
-    """Make sure ``row[:-1]`` of every row is in ``store``; pinned handles on each.
+    """Make sure ``row[:-1]`` of every row is in ``store``; hard-pinned handles on each (the
+    caller's work in progress: it drops them once it holds that KV otherwise).
 
     ``run_tails(todo)`` computes the uncached tail of each ``(target, stored handle)`` and
-    returns pinned handles on the stored targets, one per item of ``todo``, in its order
+    returns hard-pinned handles on the stored targets, one per item of ``todo``, in its order
     (they are the only way to this call's scratch KV, which no match finds).  The last token
     of each row is left for the first decode step, which produces its logits.
-    ``cached_tokens_reused`` counts the tokens of distinct rows already stored at the start.
+    ``cached_tokens_reused`` counts the tokens of distinct rows already stored at the start,
+    ``recomputed_tokens`` those to compute again because their KV, which a live state
+    referred to, was evicted (each shared prefix once).
     """
     targets = [tuple(r[:-1]) for r in rows]
     unique = list(dict.fromkeys(targets))
-    count(cached_tokens_reused=sum(store.match(t).length for t in unique))
+    stored = [store.match(t).length for t in unique]
+    count(cached_tokens_reused=sum(stored))
+    if store.tree.lost_count:
+        lost = [t[:store.tree.lost_end(t)] for t in unique]
+        again = trie_size(lost)[0] - trie_size([t[:n] for t, n in zip(unique, stored)])[0]
+        count(recomputed_tokens=again)
     # what this call computed: pinned until it returns, and found here even where the store
     # will not match it (scratch KV, computed inside `frozen_store()`)
     made: dict[tuple[int, ...], Any] = {}

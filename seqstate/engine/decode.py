@@ -64,7 +64,7 @@ class DecodeJob(Job):
         super().pause(batch)
 
     # A job outlives its call where its error's traceback is kept (worker frames hold jobs):
-    # once the caller has its result, the job holds no handle, so no KV stays pinned by it.
+    # once the caller has its result, the job holds no handle: its KV is the caller's alone.
     def finish(self, result: Any) -> None:
         super().finish(result)
         self.results = {}

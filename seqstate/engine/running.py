@@ -2,7 +2,8 @@
 fits, one forward for every running job, then each job's own sampling step.
 
 A full KV cache.  An engine whose rows share a fixed cache (llama.cpp's ``n_ctx`` cells)
-evicts stored KV no live state pins when it runs out, and raises `CacheFullError` when nothing
+evicts the least recently used stored KV (live states' too) when it runs out, and raises
+`CacheFullError` when nothing
 is left to evict.  The newest running jobs are then paused: their slots go back (their KV
 stored, evictable), their tokens, cursors and RNG stay, and they wait.  When a job leaves,
 waiting jobs join again oldest first, re-adding their rows (prefilling what the store lost),

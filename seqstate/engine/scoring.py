@@ -147,7 +147,7 @@ def next_logprobs(model, rows: Sequence[Sequence[int]]) -> torch.Tensor:
 
 
 def stored(model, rows: Sequence[Sequence[int]]) -> list[Handle]:
-    """Pinned handles on each ``row[:-1]``'s KV, stored on the worker (computing only what
+    """States' handles on each ``row[:-1]``'s KV, stored on the worker (computing only what
     the store lacks); on a server, handles on what its prefix cache keeps."""
     if not model.backend.capabilities.steps:
         return [model.backend.handle(len(r) - 1) for r in rows]

@@ -36,9 +36,10 @@ class Stats(WorkCounters):
     True
     """
 
-    kv_bytes_held: int = 0           # bytes of KV pinned by live states
-    kv_bytes_cached: int = 0         # bytes of every stored KV (held + evictable)
-    evictions: int = 0               # stored KV dropped under the budget
+    kv_bytes_held: int = 0           # bytes of stored KV that live states refer to
+    kv_bytes_cached: int = 0         # bytes of every stored KV (held or not: all evictable)
+    evictions: int = 0               # stored KV dropped under the budget (segments, paths)
+    live_evictions: int = 0          # of those, KV live states referred to (then recomputed)
     segments: int = 0
 
     def __sub__(self, other: Stats) -> Stats:
@@ -140,7 +141,7 @@ class BaseModel:
         """A block in which stored KV is read and nothing is written to the store.
 
         Calls inside work as usual: they reuse stored prefixes, prefill what is missing,
-        decode, and return states whose handles pin the KV they computed.  But that KV is
+        decode, and return states whose handles hold the KV they computed.  But that KV is
         *scratch*: no later call matches it (continuing such a state recomputes its tokens
         past the stored prefix) and it is freed as soon as no state holds it, so the store is
         the same before and after the block.  On the HF engine this is where torch forward

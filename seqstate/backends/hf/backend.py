@@ -139,7 +139,8 @@ class HFBackend(Backend):
         s = self.store
         with s.lock:
             return dict(kv_bytes_held=s.bytes_held, kv_bytes_cached=s.bytes_cached,
-                        evictions=s.evictions, segments=s.num_segments)
+                        evictions=s.evictions, live_evictions=s.live_evictions,
+                        segments=s.num_segments)
 
     # -- the Backend protocol -----------------------------------------------------------------
     def batch(self) -> HFBatch:

@@ -30,6 +30,10 @@ class HFBatch:
 
     KV fed while the store is frozen (``model.frozen_store()``) is committed as scratch: each
     row remembers its first such column.
+
+    A row's stored prefix is copied into the buffer when it joins, so the store may evict it
+    while the row runs (a row keeps only a soft handle on it, its ``base``): `commit` then
+    stores the row's whole KV again from the buffer.
     """
 
     def __init__(self, backend: HFBackend) -> None:
@@ -37,7 +41,7 @@ class HFBatch:
         self.buf: KVBuffer | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.long)       # (rows, capacity)
         self.row_of: dict[int, int] = {}     # slot id -> buffer row
-        self.bases: list[KVHandle] = []      # per buffer row: stored KV of its prefix (pinned)
+        self.bases: list[KVHandle] = []      # per buffer row: stored KV of its prefix (soft)
         self.cols: list[list[int]] = []      # per buffer row: columns of its KV past the base
         self.junk: list[list[int]] = []      # per buffer row: columns of steps it sat out
         self.first: list[int] = []           # per buffer row: its first KV column
@@ -47,7 +51,12 @@ class HFBatch:
 
     # -- joining and leaving ------------------------------------------------------------------
     def add(self, rows: Sequence[Sequence[int]], extra: int) -> list[int]:
-        handles = ensure_kv(self.backend, rows)
+        slots = self._join(ensure_kv(self.backend, rows), extra)
+        self.backend.store.evict()                # the prefill's pins went: its KV is copied
+        return slots
+
+    def _join(self, handles: list[KVHandle], extra: int) -> list[int]:
+        """New buffer rows holding each handle's KV (soft handles kept as their bases)."""
         need = max(h.length for h in handles)
         b = self.backend
         if self.buf is None:
@@ -67,7 +76,7 @@ class HFBatch:
             row = len(self.bases)
             self.buf.load(row, h, end)
             self.mask[row, end - h.length: end] = 1
-            self.bases.append(h)
+            self.bases.append(h.soft())
             self.cols.append([])
             self.junk.append([])
             self.first.append(end - h.length)
@@ -210,12 +219,24 @@ class HFBatch:
         self.padded = True
 
     def commit(self, slot: int, tokens: Sequence[int], length: int) -> KVHandle:
+        """Store the slot's KV of ``tokens[:length]``: what the store lacks of it, copied
+        from the buffer (the prefix too, if it was evicted meanwhile).  A soft handle."""
         row = self.row_of[slot]
         base = self.bases[row]
         n = length - base.length
-        if n <= 0:
-            return base.prefix(length)
-        kv = self.buf.gather(row, self.cols[row][:n])
         frozen = self.frozen[row]
-        return self.backend.store.extend(tokens, base.length, kv, base=base,
-                                         scratch=frozen is not None and frozen < n)
+        store = self.backend.store
+        if base.node.scratch:                     # a scratch path goes on below its handle
+            if n <= 0:
+                return base.prefix(length)
+            kv = self.buf.gather(row, self.cols[row][:n])
+            return store.extend(tokens, base.length, kv, base=base, scratch=True).soft()
+        # what was fed while frozen is scratch: stored KV of the same tokens must not stand in
+        scratch = frozen is not None and frozen < n
+        with store.lock:
+            found = store.match(tokens, base.length + frozen if scratch else length)   # pinned
+            if found.length == length:
+                return found.soft()
+            columns = [*range(self.first[row], self.first[row] + base.length), *self.cols[row]]
+            kv = self.buf.gather(row, columns[found.length: length])
+            return store.extend(tokens, found.length, kv, base=found, scratch=scratch).soft()

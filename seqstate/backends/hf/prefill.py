@@ -80,7 +80,7 @@ def _run_packed(backend: HFBackend, todo: list[tuple[tuple[int, ...], KVHandle]]
 
 
 def ensure_kv(backend: HFBackend, rows: Sequence[Sequence[int]]) -> list[KVHandle]:
-    """Make sure ``row[:-1]`` of every row has KV in the store; return pinned handles on it
+    """Make sure ``row[:-1]`` of every row has KV in the store; return hard-pinned handles on it
     (see `seqstate.backends.prefixes.ensure_stored`).  A hooked model outside
     ``frozen_store()`` is refused first (`seqstate.ActivationHookError`)."""
     backend.guard.check(rescan=True)

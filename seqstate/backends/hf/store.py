@@ -6,9 +6,11 @@ A `KVHandle` names a prefix of the path from the root to a segment; states hold 
 slicing back is a handle to an earlier position (a view) and forking shares one.
 
 Any token sequence is matched against the tree, so a prefix computed for one state is reused by
-every other state, including ones built from plain strings.  Segments pinned by a live handle are
-never evicted; the others stay as a cache, dropped least-recently-used (leaves first) when the
-store is over its byte budget.
+every other state, including ones built from plain strings.  Stored KV is a cache, not a lease:
+while the store holds more bytes than its budget, the least recently used leaf segment is
+dropped, whether a live state refers to it (a soft handle) or not; only segments hard-pinned by
+work in progress (a prefill) stay.  A state whose KV went is computed again from its tokens
+when it is next continued, exactly as the first time.
 
 KV computed inside ``model.frozen_store()`` (`KVStore.frozen`) is kept in scratch segments:
 its handles work, but no match finds it and it goes with its last handle.
@@ -43,10 +45,11 @@ class Segment(Node):
 
 
 class KVHandle(PinnedPrefix):
-    """A pinned reference to the KV of the first ``length`` tokens of a path in the store.
+    """A reference to the KV of the first ``length`` tokens of a path in the store.
 
-    While the handle is alive its segment (and so, as it is not a leaf, every ancestor) cannot be
-    evicted.  Handles are shared freely between states; they are never mutated.
+    While a hard handle is alive its segment (and so, as it is not a leaf, every ancestor)
+    cannot be evicted; a soft one (a state's) marks the path live but lets it go under the
+    budget.  Handles are shared freely between states; they are never mutated.
     """
 
     __slots__ = ()
@@ -69,19 +72,21 @@ class KVStore(RadixStore):
     Parameters
     ----------
     budget_bytes : int
-        Unpinned segments are evicted (LRU, leaves first) while the store holds more than this.
+        Segments are evicted (LRU, leaves first) while the store holds more than this; only
+        those hard-pinned by work in progress stay.
 
     Examples
     --------
     >>> import torch
     >>> store = KVStore()
     >>> kv = torch.zeros(2, 2, 1, 3, 4)                   # 2 layers, 1 KV head, 3 tokens
-    >>> h = store.extend([5, 6, 7], 0, kv)
+    >>> state = store.extend([5, 6, 7], 0, kv).soft()     # what a state keeps
     >>> store.match([5, 6, 7, 8]).length, store.bytes_held == kv.numel() * 4
     (3, True)
-    >>> del h
-    >>> store.clear() == kv.numel() * 4
+    >>> store.clear() == kv.numel() * 4                   # a cache, not a lease
     True
+    >>> state.stored, store.live_evictions, store.bytes_held
+    (False, 1, 0)
     """
 
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
@@ -95,6 +100,7 @@ class KVStore(RadixStore):
 
     @property
     def bytes_held(self) -> int:
+        """Bytes of stored KV that live states refer to (evictable all the same)."""
         return self.tree.held
 
     @property
@@ -104,6 +110,11 @@ class KVStore(RadixStore):
     @property
     def evictions(self) -> int:
         return self.tree.evictions
+
+    @property
+    def live_evictions(self) -> int:
+        """Evicted segments that live states referred to (computed again when continued)."""
+        return self.tree.live_evictions
 
     @property
     def bytes_scratch(self) -> int:
@@ -156,9 +167,10 @@ class KVStore(RadixStore):
 
     # -- eviction and checking ----------------------------------------------------------------
     def evict(self, budget_bytes: int | None = None) -> int:
-        """Drop unpinned leaf segments, least recently used first, until under the budget.
+        """Drop leaf segments, least recently used first, until under the budget, whether
+        live states refer to them or not.
 
-        Returns the number of bytes freed.  Pinned segments (and their ancestors) stay.
+        Returns the number of bytes freed.  Hard-pinned segments (and their ancestors) stay.
         """
         budget = self.budget_bytes if budget_bytes is None else budget_bytes
         freed = 0
@@ -167,12 +179,13 @@ class KVStore(RadixStore):
                 leaf = self.tree.lru_leaf()
                 if leaf is None:
                     break
-                self.tree.remove(leaf)
                 freed += leaf.weight
+                self.tree.remove(leaf)
+                leaf.kv = None                        # a state's handle may outlive it
         return freed
 
     def clear(self) -> int:
-        """Evict every unpinned segment."""
+        """Evict every segment no work in progress pins."""
         return self.evict(0)
 
     def verify(self) -> None:

@@ -58,7 +58,7 @@ import torch
 from seqstate.backends.base import (Backend, CacheFullError, Capabilities, Scored,
                                     WorkCounters, single_threaded_torch)
 from seqstate.backends.llamacpp.store import SeqHandle, SeqStore
-from seqstate.backends.prefixes import common_prefix, ensure_stored
+from seqstate.backends.prefixes import ensure_stored, trie_size
 from seqstate.backends.scoring import score_pairs
 from seqstate.errors import ArgumentError, ContextOverflowError
 from seqstate.backends.llamacpp.batch import LlamaCppBatch
@@ -93,18 +93,6 @@ def _check_int(name: str, value: object, lo: int, hi: int | None = None, *, hint
         return
     bounds = f"an int in {lo}..{hi}" if hi is not None else f"an int >= {lo}"
     raise ArgumentError(f"{name} must be {bounds} ({hint}), got {value!r}")
-
-
-def _trie_size(paths: Sequence[tuple[int, ...]]) -> tuple[int, int]:
-    """(distinct token prefixes, paths that are no prefix of another): cells and carriers the
-    paths need when stored together."""
-    ordered = sorted(set(paths))
-    cells = leaves = 0
-    for i, p in enumerate(ordered):
-        cells += len(p) - (common_prefix(p, ordered[i - 1]) if i else 0)
-        nxt = ordered[i + 1] if i + 1 < len(ordered) else None
-        leaves += bool(p) and not (nxt is not None and nxt[:len(p)] == p)
-    return cells, leaves
 
 
 def _tails(rows: Sequence[Sequence[int]], starts: Sequence[int], seqs: Sequence[int]
@@ -203,7 +191,7 @@ class LlamaCppBackend(Backend):
     # -- decoding -----------------------------------------------------------------------------
     def _run(self, tokens: list[int], positions: list[int], seqs: list[int],
              outputs: list[bool]) -> torch.Tensor | None:
-        """``llama_decode`` in chunks of ``n_batch``, evicting unpinned stored paths when the
+        """``llama_decode`` in chunks of ``n_batch``, evicting stored paths when the
         cache has no free cells; logits (outputs, V) of the tokens flagged in ``outputs``."""
         step = self._llama.n_batch
         parts = []
@@ -227,16 +215,15 @@ class LlamaCppBackend(Backend):
             if status != 1:
                 raise RuntimeError(f"llama_decode failed with status {status}")
             # no free cells (llama.cpp left the cache as it was): free the garbage first, then
-            # evict unpinned stored paths (their cells become garbage) and try again
+            # evict the least recently used stored paths, live states' too (their cells become
+            # garbage), and try again
             if self._llama.compact():
                 continue
             if not self._evict(len(tokens)):
                 raise CacheFullError(
-                    f"the llama.cpp KV cache (n_ctx={self.n_ctx} cells) is full: "
-                    f"{self.store.held_cells} cells are pinned by live states and the rest by "
-                    f"working rows, so {len(tokens)} more tokens do not fit; drop states you no "
-                    f"longer need, run fewer rows at once, or create the backend with a larger "
-                    f"n_ctx")
+                    f"the llama.cpp KV cache (n_ctx={self.n_ctx} cells) is full of working rows' "
+                    f"KV and the stored paths they borrow, so {len(tokens)} more tokens do not "
+                    f"fit; run fewer rows at once, or create the backend with a larger n_ctx")
 
     def _evict(self, cells: int) -> bool:
         """Evict least recently used stored paths until about ``cells`` stored cells are gone
@@ -281,7 +268,7 @@ class LlamaCppBackend(Backend):
             self.store.release(seq)
 
     def _ensure_kv(self, rows: Sequence[Sequence[int]], extra: int) -> list[SeqHandle]:
-        """Store every ``row[:-1]``; pinned handles on them (see ``base.Batch.add``)."""
+        """Store every ``row[:-1]``; hard-pinned handles on them (see ``base.Batch.add``)."""
         if not rows:
             return []
         if any(len(r) == 0 for r in rows):
@@ -292,7 +279,7 @@ class LlamaCppBackend(Backend):
     def _check_fits(self, targets: list[tuple[int, ...]], extra: int) -> None:
         """Refuse, before any compute, a call that cannot fit even in an empty cache."""
         longest = max(len(t) for t in targets) + extra
-        cells, carriers = _trie_size(targets)
+        cells, carriers = trie_size(targets)
         cells += len(targets) * extra
         seqs = len(targets) + carriers
         usable = self.store.capacity
@@ -352,7 +339,8 @@ class LlamaCppBackend(Backend):
         with self.store.lock:
             return {"kv_bytes_held": self.store.held_cells * self.bytes_per_cell,
                     "kv_bytes_cached": self.store.cells * self.bytes_per_cell,
-                    "evictions": self.store.evictions, "segments": self.store.num_nodes}
+                    "evictions": self.store.evictions,
+                    "live_evictions": self.store.live_evictions, "segments": self.store.num_nodes}
 
     def verify(self) -> None:
         """Check the store and every open batch against llama.cpp's own sequence positions."""

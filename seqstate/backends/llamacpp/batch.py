@@ -31,7 +31,8 @@ def _scratch_from(handle: SeqHandle) -> int | None:
 
 
 class _Slot:
-    """A working row: its own sequence, or (``seq`` None) a borrowed stored handle.
+    """A working row: its own sequence, or (``seq`` None) a borrowed stored handle (a hard
+    pin: the store keeps that path while the slot borrows it).
     ``scratch``: its first position whose KV is scratch (computed inside ``frozen_store()``,
     or below a scratch handle), if any."""
 
@@ -152,32 +153,36 @@ class LlamaCppBatch:
                 self._store.release(s.seq)
 
     def commit(self, slot: int, tokens: Sequence[int], length: int) -> SeqHandle:
-        """Store the slot's KV of ``tokens[:length]``; returns a pinned handle on it."""
+        """Store the slot's KV of ``tokens[:length]``; returns a soft handle on it (a state's:
+        the store may evict it once the slot no longer borrows it)."""
         with self._backend.guarded():
-            s = self._slot(slot)
-            if not 0 <= length <= s.length:
-                raise ValueError(f"slot {slot} holds {s.length} tokens, cannot commit {length}")
-            scratch = s.scratch is not None and s.scratch < length
-            if s.seq is None and scratch:
-                return s.base.prefix(length)                    # a scratch path: borrowed
-            found = self._store.match(tokens, length)
-            if found.length == length:
-                if s.seq is not None and length == s.length:
-                    # stored already (another row computed it): share those cells instead
-                    self._store.release(s.seq)
-                    s.seq, s.base = None, found
-                return found
-            if s.seq is None:
-                raise RuntimeError(f"slot {slot} holds the stored KV of other tokens than "
-                                   f"those committed")
-            if length == s.length:
-                # the slot's sequence becomes the carrier; the slot borrows the stored path
-                handle = self._store.insert(tokens, length, s.seq, scratch=scratch)
-                s.seq, s.base = None, handle
-                return handle
-            copy = self._store.acquire()
-            self._llama.seq_cp(s.seq, copy, 0, length)
-            return self._store.insert(tokens, length, copy, scratch=scratch)
+            return self._commit(slot, tokens, length).soft()
+
+    def _commit(self, slot: int, tokens: Sequence[int], length: int) -> SeqHandle:
+        s = self._slot(slot)
+        if not 0 <= length <= s.length:
+            raise ValueError(f"slot {slot} holds {s.length} tokens, cannot commit {length}")
+        scratch = s.scratch is not None and s.scratch < length
+        if s.seq is None and scratch:
+            return s.base.prefix(length)                    # a scratch path: borrowed
+        found = self._store.match(tokens, length)
+        if found.length == length:
+            if s.seq is not None and length == s.length:
+                # stored already (another row computed it): share those cells instead
+                self._store.release(s.seq)
+                s.seq, s.base = None, found
+            return found
+        if s.seq is None:
+            raise RuntimeError(f"slot {slot} holds the stored KV of other tokens than "
+                               f"those committed")
+        if length == s.length:
+            # the slot's sequence becomes the carrier; the slot borrows the stored path
+            handle = self._store.insert(tokens, length, s.seq, scratch=scratch)
+            s.seq, s.base = None, handle
+            return handle
+        copy = self._store.acquire()
+        self._llama.seq_cp(s.seq, copy, 0, length)
+        return self._store.insert(tokens, length, copy, scratch=scratch)
 
     def close(self) -> None:
         """Release every slot; committed KV stays in the store."""

@@ -15,10 +15,12 @@ prefix shared by eight stored rows occupies its cells once.  Sequence ids are a 
 (``n_seq_max``) shared between carriers and the engine's working rows, which borrow ids with
 `SeqStore.acquire()` and hand them back with `SeqStore.release()` or `SeqStore.insert()`.
 
-Handles (`SeqHandle`) pin a node like `seqstate.backends.hf.store.KVHandle` pins a segment.
-Unpinned leaves are evicted least-recently-used when sequence ids or cells run out; evicting a
-leaf hands its carrier, cut back, to a parent that would otherwise lose its last carrier, so a
-pinned handle's tokens always stay in some carrier.
+Handles (`SeqHandle`) refer to a node like `seqstate.backends.hf.store.KVHandle` refers to a
+segment: a hard pin (a working row borrowing the stored path) keeps it, a live state's soft
+handle does not.  Leaves no hard pin holds are evicted least-recently-used when sequence ids
+or cells run out, whether states refer to them or not (a state whose path went is prefilled
+again when continued); evicting a leaf hands its carrier, cut back, to a parent that would
+otherwise lose its last carrier, so a hard-pinned handle's tokens always stay in some carrier.
 
 Inside ``model.frozen_store()`` a row's path is inserted as a *scratch* node of the tree: its
 own carrier holds its whole path, no match finds it, and its sequence (with its cells) goes
@@ -74,10 +76,11 @@ class SeqNode(Node):
 
 
 class SeqHandle(PinnedPrefix):
-    """A pinned reference to the KV of the first ``length`` tokens of a stored path.
+    """A reference to the KV of the first ``length`` tokens of a stored path.
 
-    While the handle is alive its node (and so every ancestor) stays in the store.  Handles are
-    immutable and shared freely between states.
+    While a hard handle is alive its node (and so every ancestor) stays in the store; a soft
+    one (a state's) lets it go under pressure.  Handles are immutable and shared freely
+    between states.
     """
 
     __slots__ = ()
@@ -126,7 +129,7 @@ class SeqStore(RadixStore):
 
     @property
     def held_cells(self) -> int:
-        """Cells of nodes pinned by a live handle (as the HF store counts pinned segments)."""
+        """Cells of stored paths live states refer to (as the HF store counts segments)."""
         return self.tree.held
 
     @property
@@ -136,6 +139,11 @@ class SeqStore(RadixStore):
     @property
     def evictions(self) -> int:
         return self.tree.evictions
+
+    @property
+    def live_evictions(self) -> int:
+        """Evicted nodes that live states referred to (prefilled again when continued)."""
+        return self.tree.live_evictions
 
     @property
     def free_seqs(self) -> int:
@@ -148,16 +156,17 @@ class SeqStore(RadixStore):
 
     # -- sequence ids -------------------------------------------------------------------------
     def acquire(self) -> int:
-        """An empty sequence id lent to the caller, evicting unpinned carriers if none is free."""
+        """An empty sequence id lent to the caller, evicting the least recently used stored
+        paths if none is free."""
         with self.lock:
             self._drain_orphans()
             while not self._free:
                 if not self.evict_one():
                     raise CacheFullError(
-                        f"every llama.cpp sequence id ({len(self._all)} usable) is held by a live "
-                        f"state or working row ({len(self._carriers)} stored paths, "
-                        f"{len(self._lent)} rows); drop states you no longer need, run fewer rows "
-                        f"at once, or {self.overflow_hint}")
+                        f"every llama.cpp sequence id ({len(self._all)} usable) is held by a "
+                        f"working row or a stored path one needs ({len(self._carriers)} stored "
+                        f"paths, {len(self._lent)} rows); run fewer rows at once, or "
+                        f"{self.overflow_hint}")
             seq = self._free.pop()
             self._lent.add(seq)
             return seq
@@ -268,7 +277,8 @@ class SeqStore(RadixStore):
 
     # -- eviction -----------------------------------------------------------------------------
     def evict_one(self) -> bool:
-        """Drop the least recently used unpinned leaf; False when every leaf is pinned."""
+        """Drop the least recently used leaf no hard pin holds (live states' included); False
+        when every leaf is pinned by work in progress."""
         with self.lock:
             leaf = self.tree.lru_leaf()
             if leaf is None:
@@ -287,7 +297,8 @@ class SeqStore(RadixStore):
             return True
 
     def clear(self) -> int:
-        """Evict every unpinned leaf (repeatedly); returns how many nodes were dropped."""
+        """Evict every leaf no hard pin holds (repeatedly); returns how many nodes were
+        dropped."""
         dropped = 0
         while self.evict_one():
             dropped += 1

@@ -216,7 +216,8 @@ class VllmBackend(Backend):
 
     def kv_stats(self) -> dict[str, int]:
         """The KV is the server's: nothing is held or cached on this side."""
-        return {"kv_bytes_held": 0, "kv_bytes_cached": 0, "evictions": 0, "segments": 0}
+        return {"kv_bytes_held": 0, "kv_bytes_cached": 0, "evictions": 0, "live_evictions": 0,
+                "segments": 0}
 
     def close(self) -> None:
         self.client.close()
