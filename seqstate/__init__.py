@@ -3,8 +3,8 @@
 from seqstate import backends, constraints, engine, grammars, hooks, models, sampling, viz
 from seqstate.batch import BatchError, run_batch
 from seqstate.conversation import chat
-from seqstate.errors import (ActivationHookError, ArgumentError, BatchMismatch, CapabilityError,
-                             CaptureNotFound, ChatTemplateError, ConstraintError,
+from seqstate.errors import (ActivationHookError, ArgumentError, BatchMismatch, CacheFullError,
+                             CapabilityError, CaptureNotFound, ChatTemplateError, ConstraintError,
                              ContextOverflowError, EngineError, HookError, LogitsError,
                              ModelMismatch, ModelNotAvailable, SampleMismatch, SeqStateError,
                              SlicingError)
@@ -19,7 +19,7 @@ __all__ = [
     "continuous", "final_state", "chat", "run_batch", "BatchError", "greedy", "multinomial", "beam_search",
     "models", "backends", "engine", "sampling", "constraints", "grammars", "hooks", "viz",
     "SeqStateError", "SlicingError", "BatchMismatch", "SampleMismatch", "ModelMismatch",
-    "ConstraintError", "ContextOverflowError", "ModelNotAvailable", "HookError", "ArgumentError",
+    "ConstraintError", "ContextOverflowError", "CacheFullError", "ModelNotAvailable", "HookError", "ArgumentError",
     "ChatTemplateError", "CapabilityError", "ActivationHookError", "EngineError",
     "CaptureNotFound", "LogitsError",
 ]

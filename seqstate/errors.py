@@ -14,6 +14,7 @@ __all__ = [
     "ModelMismatch",
     "ConstraintError",
     "ContextOverflowError",
+    "CacheFullError",
     "ModelNotAvailable",
     "ChatTemplateError",
     "HookError",
@@ -57,6 +58,15 @@ class ConstraintError(SeqStateError, ValueError):
 
 class ContextOverflowError(SeqStateError, ValueError):
     """A request that cannot fit the model's context window, raised before any compute."""
+
+
+class CacheFullError(ContextOverflowError):
+    """The engine's shared KV cache has no room *now*: what is left is held by working rows
+    (and the stored paths they borrow), though the request would fit without them.  Raised
+    inside the engine after evicting every stored path no work in progress uses (kept states'
+    too); the scheduler then pauses newer calls instead of failing this one, so a caller sees
+    it only when its call met a full cache with no newer call to pause and nothing to wait
+    for.  A plain `ContextOverflowError` means the call cannot fit even alone."""
 
 
 class ModelNotAvailable(SeqStateError, RuntimeError):

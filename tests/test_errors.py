@@ -2,9 +2,7 @@
 
 Two halves.  A walk over every ``raise`` in the package (``ast``) refuses a bare built-in
 exception class outside `INTERNAL`, the documented raises a user cannot reach (broken
-invariants, abstract methods, protocols of other libraries), and `PENDING`, the raises a
-user can reach in modules another change owns, each with the typed error it should become.
-Then each error a user could meet as a built-in before is raised as its typed class, still
+invariants, abstract methods, protocols of other libraries).  Then each error a user could meet as a built-in before is raised as its typed class, still
 an instance of that built-in, so ``except ValueError`` code keeps working.
 """
 
@@ -77,21 +75,6 @@ INTERNAL: dict[tuple[str, str, str], str] = {
         "the SIGTERM handler of `python -m seqstate.vllm serve`: a clean shutdown, not an error",
 }
 
-# user-reachable raises in modules another change is reworking (issue 33, items 1 and 4):
-# (file, function qualname, exception) -> the typed error to raise instead.  Remove an entry
-# when its raise is typed (the walk fails on an entry that matches nothing).
-PENDING: dict[tuple[str, str, str], str] = {
-    ("seqstate/models/loading.py", "from_outlines", "TypeError"):
-        "ArgumentError: ss.models.from_outlines(x) (or continuous() of an outlines generator) "
-        "given anything but an outlines Transformers model",
-    ("seqstate/backends/llamacpp/backend.py", "LlamaCppBackend._decode", "RuntimeError"):
-        "EngineError: llama_decode failing (status other than 0 or 1) during a user's call",
-    ("seqstate/backends/llamacpp/native.py", "Llama.seq_rm", "RuntimeError"):
-        "a GGUF whose memory cannot drop the end of a sequence (a recurrent or hybrid model) "
-        "would reach it on slice-back: refuse such models at load (CapabilityError), or raise "
-        "EngineError here",
-}
-
 
 def _verify_rule(where: str, name: str, sole: bool) -> bool:
     """A ``RuntimeError`` of ``verify()`` or a helper of it (``_verify*``): store corruption,
@@ -150,7 +133,7 @@ def test_every_raise_in_the_package_is_typed_or_documented():
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         for r in _raises(path):
-            keys = {k for k in (*INTERNAL, *PENDING)
+            keys = {k for k in INTERNAL
                     if k[0] == rel and k[2] == r.name and fnmatch.fnmatchcase(r.where, k[1])}
             seen |= keys
             if not keys and not any(rule(r.where, r.name, r.sole) for rule in RULES):
@@ -159,7 +142,7 @@ def test_every_raise_in_the_package_is_typed_or_documented():
         "bare built-in raises: raise a seqstate.errors class (it subclasses the built-in "
         "too), or, if no user input can reach it, add it to INTERNAL with the reason:\n"
         + "\n".join(bare))
-    stale = sorted((set(INTERNAL) | set(PENDING)) - seen)
+    stale = sorted(set(INTERNAL) - seen)
     assert not stale, f"entries that match no raise any more (remove them): {stale}"
 
 
@@ -283,3 +266,30 @@ def test_all_nan_logits_name_the_likely_overflow(tiny, dtype):
     with pytest.raises(ss.LogitsError, match="float16/bfloat16") as err:
         st.step(torch.full((1, tiny.vocab.size), float("nan"), dtype=dtype))
     assert isinstance(err.value, ValueError) and "dtype=torch.float32" in str(err.value)
+
+
+def test_from_outlines_of_something_else():
+    with pytest.raises(ss.ArgumentError, match="from_hf"):
+        ss.models.from_outlines(object())
+
+
+def test_a_cache_full_error_is_public_and_a_context_overflow():
+    assert issubclass(ss.CacheFullError, ss.ContextOverflowError)
+    from seqstate.backends.base import CacheFullError
+    assert CacheFullError is ss.CacheFullError
+
+
+@pytest.mark.llamacpp
+def test_a_failed_llama_decode_says_what_its_status_means():
+    from conftest import request_llamacpp
+
+    request_llamacpp()
+    from seqstate.backends.llamacpp import LlamaCppBackend
+    from seqstate.backends.llamacpp.native import SCRATCH_SEQ
+
+    backend = LlamaCppBackend(ss.models.default_gguf(), n_ctx=256, n_threads=1)
+    bad = backend.vocab_size + 5                  # a token id outside the vocabulary: -1
+    with pytest.raises(ss.EngineError, match="status -1: an invalid batch"):
+        backend._decode([bad], [0], [SCRATCH_SEQ], [True])
+    backend._llama.free_top(SCRATCH_SEQ)
+    backend.verify()

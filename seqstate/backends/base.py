@@ -24,20 +24,11 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from seqstate.errors import CapabilityError, ContextOverflowError
+from seqstate.errors import CacheFullError, CapabilityError
 
 __all__ = ["Capabilities", "WorkCounters", "Handle", "Scored", "Batch", "Backend",
            "RequestBackend", "CacheFullError",
            "openmp", "single_threaded_torch"]
-
-
-class CacheFullError(ContextOverflowError):
-    """The engine's shared KV cache has no room *now*: what is left is held by working rows
-    (and the stored paths they borrow), though the request would fit without them.
-    ``Batch.add``, ``forward`` and ``extend`` raise it (having changed nothing) after evicting
-    every stored path no work in progress uses; the scheduler then pauses newer calls
-    instead of failing this one.  A plain `ContextOverflowError` from ``add`` means the rows
-    cannot fit even alone."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,7 +38,7 @@ class Capabilities:
     Attributes
     ----------
     name
-        the engine's name, for messages (``"hf"``, ``"llama.cpp"``).
+        the engine's name, for messages (``"hf"``, ``"llama.cpp"``, ``"vllm"``).
     full_logits
         next-token logits over the whole vocabulary at every step (samplers and hooks that
         read them; on an engine that steps rows, beams and ``next_logprobs`` too).

@@ -349,6 +349,7 @@ def from_outlines(outlines_model: Any, *, kv_budget_bytes: int = DEFAULT_BUDGET_
     hf_model = getattr(outlines_model, "model", None)
     tokenizer = getattr(outlines_model, "hf_tokenizer", None)
     if hf_model is None or tokenizer is None:
-        raise TypeError("from_outlines expects an outlines.models.Transformers (with .model and "
-                        f".hf_tokenizer), got {type(outlines_model).__name__}")
+        raise ArgumentError("from_outlines expects an outlines.models.Transformers (with .model "
+                            f"and .hf_tokenizer), got {type(outlines_model).__name__}; wrap "
+                            "another model with ss.models.from_hf(hf_model, hf_tokenizer)")
     return Model(hf_model, tokenizer, kv_budget_bytes=kv_budget_bytes)

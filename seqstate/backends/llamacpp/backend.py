@@ -60,7 +60,7 @@ from seqstate.backends.base import (Backend, CacheFullError, Capabilities, Score
 from seqstate.backends.llamacpp.store import SeqHandle, SeqStore
 from seqstate.backends.prefixes import ensure_stored, trie_size
 from seqstate.backends.scoring import score_pairs
-from seqstate.errors import ArgumentError, ContextOverflowError
+from seqstate.errors import ArgumentError, ContextOverflowError, EngineError
 from seqstate.backends.llamacpp.batch import LlamaCppBatch
 from seqstate.backends.llamacpp.native import (GARBAGE_SEQ, RESERVED_SEQS, SCRATCH_SEQ, Llama,
                                                check_gguf, usable_cores)
@@ -213,7 +213,9 @@ class LlamaCppBackend(Backend):
                 self.count(forward_calls=1)
                 return
             if status != 1:
-                raise RuntimeError(f"llama_decode failed with status {status}")
+                meaning = self._llama.DECODE_STATUS.get(status, "not documented by llama.cpp")
+                raise EngineError(f"llama_decode failed with status {status}: {meaning}; "
+                                  f"existing states are unchanged")
             # no free cells (llama.cpp left the cache as it was): free the garbage first, then
             # evict the least recently used stored paths, live states' too (their cells become
             # garbage), and try again

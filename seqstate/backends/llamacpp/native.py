@@ -26,7 +26,7 @@ import llama_cpp as ll
 import numpy as np
 import torch
 
-from seqstate.errors import ModelNotAvailable
+from seqstate.errors import EngineError, ModelNotAvailable
 
 __all__ = ["Llama", "check_gguf", "padding_only", "quiet_logs", "logged_errors", "usable_cores",
            "SCRATCH_SEQ", "GARBAGE_SEQ", "RESERVED_SEQS", "KV_TYPES", "GGUF_MAGIC"]
@@ -215,6 +215,15 @@ class Llama:
                                                              + v_dim * _BYTES[self.v_type])
         return round(ll.llama_model_n_layer(self.model) * per_layer)
 
+    DECODE_STATUS = {
+        2: "aborted by the abort callback",
+        -1: "an invalid batch (a token id outside the vocabulary, a sequence id of n_seq_max "
+            "or more, or positions that do not continue the sequence's stored ones)",
+        -2: "a fatal failure, usually memory: the KV cache could not prepare the batch, or the "
+            "output or compute buffers could not be allocated",
+        -3: "the computation failed",
+    }
+
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
                outputs: Sequence[bool]) -> int:
         """One ``llama_decode``; returns its status (llama.h, llama-cpp-python 0.3.36):
@@ -254,7 +263,10 @@ class Llama:
         ll.llama_memory_seq_cp(self.mem, seq, GARBAGE_SEQ, p0, p1)
         self.garbage = True
         if not ll.llama_memory_seq_rm(self.mem, seq, p0, p1):
-            raise RuntimeError(f"llama.cpp refused to remove positions [{p0}, {p1}) of seq {seq}")
+            raise EngineError(f"llama.cpp refused to remove positions [{p0}, {p1}) of sequence "
+                              f"{seq}: this model's memory cannot drop the end of a sequence "
+                              f"(a recurrent or hybrid architecture); seqstate's llama.cpp "
+                              f"engine needs a transformer's KV cache")
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
         ll.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
