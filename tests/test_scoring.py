@@ -293,3 +293,44 @@ def test_600_questions_of_4_options_in_one_call_stay_under_2_gb():
                          text=True, check=True, timeout=600)
     peak_kib = int(out.stdout.split()[-1])
     assert peak_kib < 2 * 1024 * 1024
+
+
+def _fresh(kind):
+    """A model of its own: an empty store, so what is fed is the whole trie.  llama.cpp's
+    12 sequences allow 3 rows a scoring group (the HF engine's budget is patched by the
+    caller), fewer than a question's 5 options, and hold the stored questions unevicted."""
+    if kind == "hf":
+        return ss.models.testing.tiny()
+    from conftest import request_llamacpp
+
+    request_llamacpp()
+    return ss.models.default(engine="llama.cpp", n_ctx=2048, n_seq_max=12, n_threads=1)
+
+
+@pytest.mark.parametrize("kind", ["hf", "llama.cpp"])
+def test_every_prefix_is_fed_exactly_once_where_questions_and_options_begin_alike(kind,
+                                                                                  monkeypatch):
+    """ARC-like questions whose contexts share a few leading tokens ("Question: What
+    measures") and whose options share theirs (" a thermometer" / " a barometer"), one option
+    a prefix of another (" the moon" / " the moon and the sun"): the tokens through the model
+    are exactly the trie of context + option[:-1], however the budget groups the pairs, and
+    every log-prob is still exact.  Budgets too small for a question's options cut them
+    between " a ..." and " the ...", which share no fed token."""
+    m = _fresh(kind)
+    monkeypatch.setattr(scoring, "SCORE_BATCH_TOKENS", 64)     # 4 options of ~15 tokens
+    questions = ["What measures air pressure?", "Which body shines at night?",
+                 "What measures heat?", "What measures length?", "Which body is largest?",
+                 "What is the Sun?"]
+    texts = [" a thermometer", " a barometer", " the moon", " the moon and the sun",
+             " a ruler"]
+    contexts = [m.encode(f"Question: {q}\nAnswer:") for q in questions]
+    options = [[m.encode(t) for t in texts] for _ in questions]
+    assert m.stats.prefill_tokens + m.stats.decode_tokens == 0
+    state = ss.from_tokens(m, contexts)
+    scores = state.score(options)
+    trie = _trie_size([c + o[:-1] for c, opts in zip(contexts, options) for o in opts])
+    assert m.stats.evictions == 0                       # nothing computed twice for want of room
+    assert m.stats.prefill_tokens + m.stats.decode_tokens == trie
+    _check(m, state, scores)
+    if kind == "llama.cpp":
+        m.backend.verify()

@@ -20,12 +20,14 @@ tokens x vocabulary, in bytes).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from seqstate.backends.base import Handle, Scored
+from seqstate.backends.prefixes import common_prefix
 
 __all__ = ["score_pairs", "prefix_groups", "store_rows", "SCORE_BATCH_TOKENS", "LOGITS_BYTES",
            "CHUNK"]
@@ -35,21 +37,25 @@ LOGITS_BYTES = 1 << 28         # float32 logits alive at once: 256 MiB (1,365 po
 CHUNK = 1024                   # most tokens fed to one row in one forward
 
 
-def _groups(items: Sequence[Any], cost: Callable[[list[Any]], tuple[int, int]],
+def _groups(items: Sequence[Any], cost: Callable[[list[Any]], tuple[int, int, int]],
             max_rows: int | None) -> Iterator[list[Any]]:
-    """Consecutive groups of ``items`` whose ``cost(group)`` = (KV columns, logits bytes)
-    stays within the budget (a single item always forms a group)."""
+    """Consecutive groups of ``items`` whose ``cost(group)`` = (KV columns, logits bytes,
+    rows) stays within the budget (a single item always forms a group)."""
     group: list[Any] = []
     for item in items:
         grown = group + [item]
-        columns, logits = cost(grown)
-        if group and (columns > SCORE_BATCH_TOKENS or logits > LOGITS_BYTES
-                      or (max_rows is not None and len(grown) > max_rows)):
+        if group and not _fits(cost(grown), max_rows):
             yield group
             grown = [item]
         group = grown
     if group:
         yield group
+
+
+def _fits(cost: tuple[int, int, int], max_rows: int | None) -> bool:
+    columns, logits, rows = cost
+    return (columns <= SCORE_BATCH_TOKENS and logits <= LOGITS_BYTES
+            and (max_rows is None or rows <= max_rows))
 
 
 def _max_rows(backend: Any) -> int | None:
@@ -66,8 +72,8 @@ def prefix_groups(backend: Any, prefixes: Sequence[Sequence[int]]) -> Iterator[l
     vocab_bytes = 4 * backend.vocab_size
     order = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i]))
 
-    def cost(group: list[int]) -> tuple[int, int]:
-        return len(group) * len(prefixes[group[-1]]), len(group) * vocab_bytes
+    def cost(group: list[int]) -> tuple[int, int, int]:
+        return len(group) * len(prefixes[group[-1]]), len(group) * vocab_bytes, len(group)
 
     return _groups(order, cost, _max_rows(backend))
 
@@ -122,29 +128,35 @@ def score_pairs(backend: Any, pairs: Sequence[tuple[Sequence[int], Sequence[int]
                 top[j].append(token == best)
 
         _last_logprobs(backend, [prefixes[i] for i in group], first)
-        longer = sorted((j for i in group for j in by_prefix[i] if len(distinct[j][1]) > 1),
-                        key=lambda j: (len(distinct[j][0]), len(distinct[j][1])))
-        _continuations(backend, distinct, longer, lps, top, store)
+        longer = [[j for j in by_prefix[i] if len(distinct[j][1]) > 1] for i in group]
+        _continuations(backend, distinct, [js for js in longer if js], lps, top, store)
     done = {key: Scored(tuple(lps[j]), tuple(top[j])) for j, key in enumerate(distinct)}
     return [done[key] for key in keys]
 
 
 def _continuations(backend: Any, pairs: list[tuple[tuple[int, ...], tuple[int, ...]]],
-                   todo: list[int], lps: list[list[float]], top: list[list[bool]],
+                   todo: list[list[int]], lps: list[list[float]], top: list[list[bool]],
                    store: bool) -> None:
-    """Feed ``c[:-1]`` after each pair's stored prefix, reading the log-prob of ``c[1:]``.
+    """Feed ``c[:-1]`` after each pair's stored prefix, reading the log-prob of ``c[1:]``;
+    ``todo`` holds the pairs of each prefix.
 
     Continuations of one prefix are walked as a trie: a slot feeds the run of tokens its
     continuations share (in chunks), then forks where they part, so a shared part is fed
-    once (" the city of Paris" and " the city of Lyon" feed " the city of" once)."""
+    once (" the city of Paris" and " the city of Lyon" feed " the city of" once).  So a
+    prefix's continuations share one group unless they alone exceed the budget (`_pieces`
+    then cuts them where they share least): " a barometer" and " a thermometer" in two
+    groups would feed " a" twice."""
     vocab_bytes = 4 * backend.vocab_size
+    max_rows = _max_rows(backend)
 
-    def cost(group: list[int]) -> tuple[int, int]:
+    def cost(group: list[int]) -> tuple[int, int, int]:
         longest = max(len(pairs[j][0]) + len(pairs[j][1]) for j in group)
         fed = min(max(len(pairs[j][1]) - 1 for j in group), CHUNK)
-        return len(group) * longest, len(group) * fed * vocab_bytes
+        return len(group) * longest, len(group) * fed * vocab_bytes, len(group)
 
-    for group in _groups(todo, cost, _max_rows(backend)):
+    pieces = [piece for js in todo for piece in _pieces(pairs, js, cost, max_rows)]
+    for part in _groups(pieces, lambda ps: cost([j for p in ps for j in p]), max_rows):
+        group = [j for piece in part for j in piece]
         chunk = max(1, min(CHUNK, LOGITS_BYTES // (len(group) * vocab_bytes)))
         members: dict[tuple[int, ...], list[int]] = {}
         for j in group:
@@ -159,6 +171,27 @@ def _continuations(backend: Any, pairs: list[tuple[tuple[int, ...], tuple[int, .
                 work = _feed(batch, pairs, _split(batch, pairs, work, chunk, store), lps, top)
         finally:
             batch.close()
+
+
+def _pieces(pairs: list, js: list[int], cost: Callable[[list[int]], tuple[int, int, int]],
+            max_rows: int | None) -> list[list[int]]:
+    """The continuations ``js`` of one prefix in groups within the budget (one group where
+    they fit).  The tokens two neighbours in token order share are fed on both sides of a
+    cut between them, so each cut goes where they share fewest: between branches of the trie
+    nearest its root (nothing is fed twice where branches part at their first token)."""
+    order = sorted(js, key=lambda j: pairs[j][1])
+    shared = [common_prefix(pairs[a][1][:-1], pairs[b][1][:-1])
+              for a, b in itertools.pairwise(order)]
+    pieces, start = [], 0
+    while start < len(order):
+        end = start + 1
+        while end < len(order) and _fits(cost(order[start: end + 1]), max_rows):
+            end += 1
+        if end < len(order):                     # the latest of the cuts sharing fewest
+            end = min(range(end, start, -1), key=lambda k: shared[k - 1])
+        pieces.append(order[start:end])
+        start = end
+    return pieces
 
 
 def _split(batch: Any, pairs: list, work: list, chunk: int, store: bool) -> list:
