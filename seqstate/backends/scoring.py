@@ -60,7 +60,7 @@ def _fits(cost: tuple[int, int, int], max_rows: int | None) -> bool:
 
 def _max_rows(backend: Any) -> int | None:
     """Rows per group: a llama.cpp row needs its own sequence and its prefix a carrier, and
-    a third of the sequences stays free for what other states pin."""
+    a third of the sequences stays free for the scheduler's running rows."""
     rows = backend.capabilities.max_rows
     return None if rows is None else max(1, rows // 3)
 
@@ -82,8 +82,8 @@ def _last_logprobs(backend: Any, prefixes: Sequence[Sequence[int]],
                    consume: Callable[[int, torch.Tensor], None]) -> None:
     """Feed each prefix's last token once, in one batch; ``consume(i, logprobs)`` gets the
     float32 log-softmax ``(V,)`` after ``prefixes[i]``.  Each prefix is stored whole (as the
-    most recently used KV, unpinned: pins would hold llama.cpp sequences the continuations
-    need; a prefix evicted before them is prefilled again, never wrong)."""
+    most recently used KV, no handle kept: a prefix evicted before its continuations run is
+    prefilled again, never wrong)."""
     rows = [list(p) for p in prefixes]
     batch = backend.batch()
     try:
@@ -241,7 +241,7 @@ def _feed(batch: Any, pairs: list, work: list, lps: list[list[float]],
 
 
 def store_rows(backend: Any, rows: Sequence[Sequence[int]]) -> list[Handle]:
-    """Pinned handles on each ``row[:-1]``, stored (computing only what the store lacks):
+    """Handles (a state's, soft) on each ``row[:-1]``, stored (computing only what the store lacks):
     a scored choice keeps its winners' KV this way, having scored every option as scratch."""
     batch = backend.batch()
     try:
