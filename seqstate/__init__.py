@@ -19,7 +19,8 @@ __all__ = [
     "continuous", "final_state", "chat", "run_batch", "BatchError", "greedy", "multinomial", "beam_search",
     "models", "backends", "engine", "sampling", "constraints", "grammars", "hooks", "viz",
     "SeqStateError", "SlicingError", "BatchMismatch", "SampleMismatch", "ModelMismatch",
-    "ConstraintError", "ContextOverflowError", "CacheFullError", "ModelNotAvailable", "HookError", "ArgumentError",
+    "ConstraintError", "ContextOverflowError", "CacheFullError", "ModelNotAvailable", "HookError",
+    "ArgumentError",
     "ChatTemplateError", "CapabilityError", "ActivationHookError", "EngineError",
     "CaptureNotFound", "LogitsError",
 ]

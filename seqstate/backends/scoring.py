@@ -241,7 +241,7 @@ def _feed(batch: Any, pairs: list, work: list, lps: list[list[float]],
 
 
 def store_rows(backend: Any, rows: Sequence[Sequence[int]]) -> list[Handle]:
-    """Handles (a state's, soft) on each ``row[:-1]``, stored (computing only what the store lacks):
+    """States' handles on each ``row[:-1]``, stored (computing only what the store lacks):
     a scored choice keeps its winners' KV this way, having scored every option as scratch."""
     batch = backend.batch()
     try:
