@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import seqstate as ss
 from seqstate.engine import next_logprobs
+from conftest import assert_close
 
 MODEL = {}
 
@@ -124,7 +125,8 @@ class Algebra(RuleBasedStateMachine):
         if len(row) < 2:
             return
         got = next_logprobs(self.m, [row])[0]
-        assert (got - self.m.full_logits(row)[-1].log_softmax(-1)).abs().max().item() < 1e-3
+        assert_close(got, self.m.full_logits(row)[-1].log_softmax(-1), self.m,
+                     "the newest state's logits vs a fresh forward", cap=1e-3)
         self.m.store.verify()
 
 

@@ -1,10 +1,9 @@
 """Beam search over programs, and option scoring, checked against fresh forwards."""
 
-import math
-
 import pytest
 
 import seqstate as ss
+from conftest import assert_close
 
 
 def fresh_logprob(model, tokens, start):
@@ -57,7 +56,7 @@ def test_weights_equal_fresh_forward_sums(tiny):
     s = ss.text(tiny)("Once", max_tokens=5, sampler=ss.beam_search(3))
     n = len(tiny.encode("Once"))
     for row, w in zip(s.token_ids[0], s.weights[0].tolist()):
-        assert math.isclose(w, fresh_logprob(tiny, row, n), abs_tol=1e-3)
+        assert_close(w, fresh_logprob(tiny, row, n), tiny, "a beam's weight", terms=len(row) - n)
 
 
 def test_two_call_program_is_ranked_by_total_weight(tiny):
@@ -74,7 +73,8 @@ def test_two_call_program_is_ranked_by_total_weight(tiny):
         label_start = row.spans[-1].start
         # generated tokens of both calls count; the appended " Label: " does not
         total = fresh_logprob(tiny, toks[: row.spans[0].end], n) + fresh_logprob(tiny, toks, label_start)
-        assert math.isclose(weight, total, abs_tol=1e-3)
+        assert_close(weight, total, tiny, "a two-call beam's weight",
+                     terms=row.spans[0].end - n + len(toks) - label_start)
 
 
 def test_beam_shares_prefix_kv(fresh_tiny):
@@ -103,7 +103,8 @@ def test_option_scoring_matches_fresh_forward(tiny):
             toks = prompt + tiny.encode(opt)
             total = fresh_logprob(tiny, toks, len(prompt))
             expect = total / len(tiny.encode(opt)) if normalize else total
-            assert math.isclose(score, expect, abs_tol=1e-3)
+            assert_close(score, expect, tiny, "an option's score",
+                         terms=1 if normalize else len(tiny.encode(opt)))
         assert s.value == max(s.scores, key=s.scores.get)
         assert str(s) == "Colour:" + s.value
 
@@ -130,7 +131,8 @@ def test_beams_are_texts_not_token_paths(real):
     assert w == sorted(w, reverse=True)
     for row, weight in zip(s.rows, w):                 # each its own spelling's log-prob
         start = row.spans[-1].start
-        assert math.isclose(weight, fresh_logprob(real, list(row.tokens), start), abs_tol=1e-3)
+        assert_close(weight, fresh_logprob(real, list(row.tokens), start), real,
+                     "a beam's weight", terms=len(row.tokens) - start)
 
 
 @pytest.mark.real

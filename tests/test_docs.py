@@ -124,10 +124,7 @@ def test_lm_evals_hf_backend_groups_rows_as_the_lm_eval_page_says(fresh_tiny):
     """lm-eval.md: lm-eval's HF backend runs one row per distinct context + answer[:-1], so
     one-token answers share a forward and longer ones mostly do not.  Checked against the
     installed lm-eval, so an lm-eval that changes it fails here before the page misleads."""
-    import pytest
-
-    pytest.importorskip("lm_eval")
-    from lm_eval.api.instance import Instance
+    from lm_eval.api.instance import Instance    # make install installs lm-eval: no skip
     from lm_eval.models.huggingface import HFLM
 
     page = (ROOT / "docs" / "tutorials" / "lm-eval.md").read_text()

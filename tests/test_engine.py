@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 from seqstate.engine import RowRequest, generate, next_logprobs
 from seqstate.sampling import greedy, multinomial
 
+from conftest import assert_close
+
 PROMPTS = ["Q: name three vehicles.\nA:", "Hello", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,"]
 
 
@@ -44,7 +46,7 @@ def assert_close_to_fresh(model, rows):
     got = next_logprobs(model, rows)
     for r, g in zip(rows, got):
         ref = model.full_logits(list(r))[-1].log_softmax(-1)
-        assert (g - ref).abs().max().item() < 1e-3
+        assert_close(g, ref, model, "logits through the store vs a fresh forward", cap=1e-3)
 
 
 def test_logits_through_reused_sliced_forked_and_batched_kv(fresh_tiny):

@@ -19,6 +19,7 @@ import seqstate as ss
 from seqstate.backends.base import CacheFullError
 from seqstate.engine.decode import DecodeJob
 from seqstate.engine.scheduler import POLL_SECONDS
+from conftest import request_llamacpp
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -449,7 +450,7 @@ STORY = r"[A-Za-z ,.']{400}"          # about 100 tokens: eight rows of it need 
 
 @pytest.fixture(scope="module")
 def small_llama():
-    pytest.importorskip("llama_cpp")
+    request_llamacpp()
     return ss.models.default(engine="llama.cpp", n_ctx=512, n_threads=1)
 
 

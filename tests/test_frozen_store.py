@@ -17,6 +17,8 @@ from torch.nn.modules import module as torch_module
 import seqstate as ss
 from seqstate.backends.hf import prefill
 
+from conftest import assert_close
+
 PROMPT = "The quick brown fox jumps over the lazy dog. Then it"
 
 
@@ -112,7 +114,8 @@ def test_a_hooked_patching_run_inside_frozen_store_equals_a_manual_hooked_forwar
 
     assert (expected_next - clean_next).abs().max() > 0.1                  # the hook matters
     assert expected_greedy != clean_greedy
-    assert (logits - expected_next).abs().max() < 1e-3
+    assert_close(logits, expected_next, model, "patched logits vs the hooked model by hand",
+                 cap=1e-3)
     assert patched.token_ids[0][0] == expected_greedy
     used = model.stats - work
     assert used.cached_tokens_reused >= stored - 1             # the stored prefix was read
@@ -143,12 +146,13 @@ def test_scoring_and_next_logprobs_with_hooks_inside_frozen_store(fresh_tiny):
         for b, row in enumerate(variants.token_ids):
             tokens = row[0]
             want_next = manual_logits(model, tokens)[-1].log_softmax(-1)
-            assert (nexts[b, 0] - want_next).abs().max() < 1e-3
+            assert_close(nexts[b, 0], want_next, model, "hooked next_logprobs vs by hand",
+                         cap=1e-3)
             for o, option in enumerate(options):
                 ids = model.encode(option)
                 full = manual_logits(model, tokens + ids).log_softmax(-1)
                 want = [float(full[len(tokens) - 1 + j, t]) for j, t in enumerate(ids)]
-                assert scores.logprobs[b][0][o] == pytest.approx(want, abs=1e-4)
+                assert_close(scores.logprobs[b][0][o], want, model, "hooked scores vs by hand")
     finally:
         hook.remove()
     hooked = scores.sums
@@ -172,7 +176,8 @@ def test_frozen_prefill_of_shared_prefixes_and_chunked_tails_stores_nothing(fres
     with model.frozen_store():
         logits = frozen_logits(model, rows)
     for row, got in zip(rows, logits):
-        assert (got - manual_logits(model, row)[-1]).abs().max() < 1e-3
+        assert_close(got, manual_logits(model, row)[-1], model,
+                     "frozen chunked prefill vs a fresh forward", cap=1e-3)
     assert_same_store(before, store_snapshot(model))
     model.store.verify()
 
@@ -243,7 +248,8 @@ def test_a_hook_added_between_admission_and_forward_is_refused_and_the_batch_goe
         hook.remove()
     logits = batch.forward([slot], [row[-1]])
     batch.close()
-    assert (logits[0] - manual_logits(model, row)[-1]).abs().max() < 1e-3
+    assert_close(logits[0], manual_logits(model, row)[-1], model,
+                 "logits after a refused hooked forward vs a fresh one", cap=1e-3)
 
 
 @pytest.mark.parametrize("register", [torch_module.register_module_forward_hook,
@@ -343,7 +349,7 @@ def test_activation_patching_on_the_default_model(real):
     before = store_snapshot(real)
     got, patched, expected, greedy = patching_run(real, tokens, stored, 5, scale=2.0, layer=10)
     assert (expected - manual_logits(real, tokens)[-1]).abs().max() > 0.1
-    assert (got - expected).abs().max() < 1e-3
+    assert_close(got, expected, real, "patched logits vs the hooked model by hand", cap=1e-3)
     assert patched.token_ids[0][0] == greedy
     del patched
     assert_same_store(before, store_snapshot(real))

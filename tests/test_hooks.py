@@ -8,6 +8,8 @@ import seqstate as ss
 from seqstate.engine import next_logprobs
 from seqstate.hooks import Replace, Resample, Rollback
 
+from conftest import assert_close
+
 
 class RollbackOnce:
     """Rolls back ``n`` tokens the first time the row reaches ``at`` generated tokens."""
@@ -27,7 +29,8 @@ def fresh_match(model, state):
     rows = [list(r.tokens) for r in state.rows]
     got = next_logprobs(model, rows)
     for r, g in zip(rows, got):
-        assert (g - model.full_logits(r)[-1].log_softmax(-1)).abs().max().item() < 1e-3
+        assert_close(g, model.full_logits(r)[-1].log_softmax(-1), model,
+                     "logits after hooks vs a fresh forward", cap=1e-3)
 
 
 def test_rollback_keeps_kv_exact_and_constraint_and_does_not_prefill(fresh_tiny):

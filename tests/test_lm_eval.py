@@ -1,7 +1,13 @@
 """`seqstate.lm_eval`: the lm-evaluation-harness model against lm-eval's own HF backend.
 
 The same `Instance`s go through ``lm_eval.models.huggingface.HFLM`` and `SeqStateLM` on the
-same weights: log-likelihoods within 1e-4, identical greedy flags, identical accuracy.
+same weights: identical greedy flags, identical accuracy, and log-likelihoods equal to fp32
+noise (`assert_close`: per answer token, a multiple of the noise floor measured on this CPU).
+DESIGN.md's "within 1e-4" is not a bound these checks can keep on every CPU: one token's
+log-prob alone moves by ~1e-4 between batch shapes on the tiny model.
+
+lm-eval is installed by ``make install`` with the rest of the suite's tools, so a missing or
+broken lm-eval fails here loudly rather than skipping.
 """
 
 import gzip
@@ -13,16 +19,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from lm_eval.api.instance import Instance
+from lm_eval.models.huggingface import HFLM
 
-pytest.importorskip("lm_eval")
-
-import torch  # noqa: E402
-from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.models.huggingface import HFLM  # noqa: E402
-
-import seqstate as ss  # noqa: E402
-from seqstate.lm_eval import SeqStateLM  # noqa: E402
-from conftest import tolerance  # noqa: E402
+import seqstate as ss
+from seqstate.lm_eval import SeqStateLM
+from conftest import assert_close
 
 ARC = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "arc_easy"
 if not ARC.is_dir():                                    # a checkout beside shared/ or inside it
@@ -60,10 +63,19 @@ def hf_backend(model, **options) -> HFLM:
                 batch_size=options.pop("batch_size", 8), **options)
 
 
-def assert_parity(instances, expected, got):
+def assert_loglikelihoods(lm, instances, expected, got):
+    """Each log-likelihood within fp32 noise of lm-eval's: one term per answer token."""
+    for inst, want, have in zip(instances, expected, got, strict=True):
+        context, continuation = inst.args
+        answer = lm._encode_pair(context, continuation)[1] if context else \
+            lm.tok_encode(continuation)              # lm-eval refuses an empty context here
+        terms = max(1, len(answer))
+        assert_close(have, want, lm.model, "a log-likelihood vs lm-eval's", terms=terms)
+
+
+def assert_parity(lm, instances, expected, got):
     assert len(got) == len(expected) == len(instances)
-    worst = max(abs(a - b) for (a, _), (b, _) in zip(expected, got))
-    assert worst <= 1e-4, f"max |delta loglik| {worst:.2e}"
+    assert_loglikelihoods(lm, instances, [e for e, _ in expected], [g for g, _ in got])
     assert [g for _, g in got] == [g for _, g in expected]
     assert accuracy(instances, got) == accuracy(instances, expected)
 
@@ -83,16 +95,17 @@ def test_arc_parity_on_the_tiny_model(tiny):
     instances = arc("rc_5shot", 20, unconditional=5) + arc("mc_5shot", 10)
     instances = instances[::2] + instances[1::2]           # request order is not context order
     expected = hf_backend(tiny).loglikelihood(instances, disable_tqdm=True)
-    got = SeqStateLM(model=tiny).loglikelihood(instances, disable_tqdm=True)
-    assert_parity(instances, expected, got)
+    lm = SeqStateLM(model=tiny)
+    assert_parity(lm, instances, expected, lm.loglikelihood(instances, disable_tqdm=True))
 
 
 @pytest.mark.real
 def test_arc_parity_on_the_default_model(real):
     instances = arc("rc_5shot", 3, unconditional=2) + arc("mc_5shot", 6)
     expected = hf_backend(real).loglikelihood(instances, disable_tqdm=True)
-    got = SeqStateLM(model=real).loglikelihood(instances, disable_tqdm=True)
-    assert_parity(instances, expected, got)
+    lm = SeqStateLM(model=real)
+    got = lm.loglikelihood(instances, disable_tqdm=True)
+    assert_parity(lm, instances, expected, got)
     assert any(g for _, g in got) and not all(g for _, g in got)   # both flags occur here
 
 
@@ -104,7 +117,7 @@ def test_empty_context_and_empty_answer(tiny):
     expected = hf_backend(tiny).loglikelihood(instances, disable_tqdm=True)
     lm = SeqStateLM(model=tiny)
     got = lm.loglikelihood(instances, disable_tqdm=True)
-    assert max(abs(a - b) for (a, _), (b, _) in zip(expected, got)) <= 1e-4
+    assert_loglikelihoods(lm, instances, [e for e, _ in expected], [g for g, _ in got])
     assert lm._loglikelihood_tokens([(None, [1, 2], [])], disable_tqdm=True) == [(0.0, True)]
 
 
@@ -119,9 +132,11 @@ def test_rolling_matches_lm_eval(tiny, max_length):
     instances = [Instance("loglikelihood_rolling", {}, (t,), 0) for t in TEXTS]
     expected = hf_backend(tiny, max_length=max_length).loglikelihood_rolling(
         instances, disable_tqdm=True)
-    got = SeqStateLM(model=tiny, max_length=max_length).loglikelihood_rolling(
-        instances, disable_tqdm=True)
-    assert max(abs(a - b) for a, b in zip(expected, got)) <= 1e-4 * len(TEXTS[0])
+    lm = SeqStateLM(model=tiny, max_length=max_length)
+    got = lm.loglikelihood_rolling(instances, disable_tqdm=True)
+    for text, want, have in zip(TEXTS, expected, got, strict=True):
+        assert_close(have, want, tiny, "a rolling log-likelihood vs lm-eval's",
+                     terms=len(lm.tok_encode(text)))
 
 
 def test_rolling_over_the_whole_context_window(tiny):
@@ -133,15 +148,17 @@ def test_rolling_over_the_whole_context_window(tiny):
     assert len(lm.tok_encode(text)) > lm.max_length == tiny.context_length
     got = lm.loglikelihood_rolling(instances, disable_tqdm=True)
     expected = hf_backend(tiny).loglikelihood_rolling(instances, disable_tqdm=True)
-    assert abs(got[0] - expected[0]) <= 1e-4 * len(text)
+    assert_close(got[0], expected[0], tiny, "a rolling log-likelihood vs lm-eval's",
+                 terms=len(lm.tok_encode(text)))
 
 
 def test_left_truncation_matches_lm_eval(tiny):
     """A context longer than max_length loses its left end, as in lm-eval."""
     instances = [Instance("loglikelihood", {}, ("word " * 40 + "end", " of it"), 0)]
     expected = hf_backend(tiny, max_length=16).loglikelihood(instances, disable_tqdm=True)
-    got = SeqStateLM(model=tiny, max_length=16).loglikelihood(instances, disable_tqdm=True)
-    assert abs(expected[0][0] - got[0][0]) <= 1e-4
+    lm = SeqStateLM(model=tiny, max_length=16)
+    got = lm.loglikelihood(instances, disable_tqdm=True)
+    assert_loglikelihoods(lm, instances, [expected[0][0]], [got[0][0]])
 
 
 def generation_requests(stops):
@@ -192,8 +209,8 @@ def test_llamacpp_within_its_noise(llama):
         target = torch.tensor(continuation)
         expected.append((float(logprobs.gather(1, target[:, None]).sum()),
                          bool((logprobs.argmax(-1) == target).all())))
-        bound = 2 * tolerance(llama) * len(continuation) + 1e-4
-        assert abs(expected[-1][0] - got[len(expected) - 1][0]) <= bound
+        assert_close(got[len(expected) - 1][0], expected[-1][0], llama,
+                     "a log-likelihood vs a fresh llama.cpp evaluation", terms=len(continuation))
     assert [g for _, g in got] == [g for _, g in expected]
     assert accuracy(instances, got) == accuracy(instances, expected)
 
@@ -254,7 +271,7 @@ def test_command_line_end_to_end(tiny, tmp_path):
                  for s in samples for arg in s["arguments"].values()]
     logged = [float(r[0][0]) for s in samples for r in s["resps"]]
     expected = hf_backend(tiny).loglikelihood(instances, disable_tqdm=True)
-    assert max(abs(a - b) for (a, _), b in zip(expected, logged)) <= 1e-4
+    assert_loglikelihoods(SeqStateLM(model=tiny), instances, [e for e, _ in expected], logged)
 
 
 def test_python_dash_m_registers_the_model(tmp_path):

@@ -41,6 +41,8 @@ def test_default_logits_equal_direct_transformers_forward(real, tmp_path):
     with torch.no_grad():
         ref = direct(torch.tensor([ids])).logits[0]
     ours = real.full_logits(ids)
+    # Exact by construction here and below: the same weights through the same one-row
+    # forward, no batch or cache path between them; a wrong weight moves logits far more.
     assert (ours - ref).abs().max().item() == 0.0
     # and the dequantized weights are the GGUF's: compare against a fresh GGUF load
     gguf = loading.default_gguf()
@@ -66,7 +68,7 @@ def test_cache_is_reused_and_truncated_cache_rebuilt(tmp_path, monkeypatch):
     assert weights.stat().st_mtime_ns == mtime, "a valid cache must be reused, not rewritten"
     assert second < first
     ids = m1.encode("Hello")
-    reference = m1.full_logits(ids)
+    reference = m1.full_logits(ids)        # same weights, same one-row forward: strict below
     assert (reference - m2.full_logits(ids)).abs().max().item() < 1e-4
     del m1, m2        # their weights are memory-mapped from the file about to be truncated
     # truncate the weights: detected by the manifest, rebuilt, and the model still right
@@ -96,7 +98,7 @@ def test_transformers_loader_reads_a_local_directory(tiny, tmp_path):
     tiny.hf_model.save_pretrained(tmp_path)
     tiny.hf_tokenizer.save_pretrained(tmp_path)
     m = ss.models.transformers(tmp_path)
-    ids = tiny.encode("a b c")
+    ids = tiny.encode("a b c")            # same weights, same one-row forward: strict
     assert torch.allclose(m.full_logits(ids), tiny.full_logits(ids), atol=1e-6)
 
 

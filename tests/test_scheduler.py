@@ -16,6 +16,8 @@ from seqstate.engine.rows import RowRequest
 from seqstate.engine.scoring import BackendJob
 from seqstate.hooks import Rollback
 
+from conftest import assert_close
+
 TOPICS = ["rain", "cats", "tea", "maps", "bees", "jazz", "salt", "wind"]
 
 
@@ -108,7 +110,8 @@ def test_beam_search_and_scoring_join_with_others(tiny):
                                             lambda: beam("Three")], progress=False)
     assert together[0] == alone[0] and together[2] == alone[2]
     assert together[1].keys() == alone[1].keys()
-    assert all(abs(together[1][k] - alone[1][k]) < 1e-4 for k in alone[1])
+    assert_close([together[1][k] for k in alone[1]], list(alone[1].values()), tiny,
+                 "a scored choice batched with beams vs alone")
 
 
 def test_async_calls(tiny):
@@ -311,9 +314,10 @@ def test_scoring_and_next_logprobs_are_jobs_on_the_worker(tiny, monkeypatch):
         assert [s.result() for s in stories] == alone
     assert on and all(name.startswith("seqstate-scheduler") for name in on)
     for got, want in zip(scored, direct):
-        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+        assert_close(got.logprobs, want.logprobs, tiny, "scores on the worker vs direct")
     for row, got in zip(prefixes, logprobs):
-        assert (got - tiny.full_logits(row)[-1].log_softmax(-1)).abs().max().item() < 1e-3
+        assert_close(got, tiny.full_logits(row)[-1].log_softmax(-1), tiny,
+                     "next_logprobs on the worker vs a fresh forward", cap=1e-3)
 
 
 def test_next_logprobs_rows_share_the_running_calls_forward(fresh_tiny, monkeypatch):
@@ -340,7 +344,8 @@ def test_next_logprobs_rows_share_the_running_calls_forward(fresh_tiny, monkeypa
     kind, got = reading.outbox.get_nowait()
     assert kind == "done" and run.running == [decoding] and not reading.slots
     for row, lp in zip(rows, got):
-        assert (lp - m.full_logits(row)[-1].log_softmax(-1)).abs().max().item() < 1e-4
+        assert_close(lp, m.full_logits(row)[-1].log_softmax(-1), m,
+                     "next_logprobs beside a decoding row vs a fresh forward")
     run.close()
 
 
@@ -392,7 +397,7 @@ def test_a_long_scoring_call_lets_other_calls_decode_between_its_parts(fresh_tin
     assert len(seen) == len(rows)
     assert all(b > a for a, b in zip(seen, seen[1:]))       # decode steps ran between parts
     for got, want in zip(parted, whole):
-        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+        assert_close(got.logprobs, want.logprobs, m, "scores in parts vs in one part")
 
 
 def test_the_worker_calls_the_backends_start_hook_on_its_own_thread(fresh_tiny, monkeypatch):

@@ -10,18 +10,11 @@ import seqstate as ss
 from seqstate.backends import scoring
 from seqstate.errors import ArgumentError, BatchMismatch, ContextOverflowError
 
-from conftest import tolerance
-
-
-def _logprob_tolerance(model) -> float:
-    """Log-probs: the HF engine within 1e-4 of a fresh forward; llama.cpp within twice its
-    logit noise floor (a log-softmax adds the noise of the normaliser)."""
-    return 1e-4 if model.backend.capabilities.exact else 2 * tolerance(model)
+from conftest import assert_close
 
 
 def _check(model, state, scores):
     """Every token's log-prob and greedy flag against a fresh evaluation of row + option."""
-    tol = _logprob_tolerance(model)
     start = model.start_token_ids
     for b in range(state.n_batch):
         for s in range(state.n_samples):
@@ -31,7 +24,7 @@ def _check(model, state, scores):
                 fresh = model.full_logits(row + list(c)).float().log_softmax(-1)
                 at = torch.arange(len(row) - 1, len(row) - 1 + len(c))
                 want = fresh[at, torch.tensor(c)]
-                assert (torch.tensor(lps) - want).abs().max().item() < tol
+                assert_close(lps, want, model, "scored log-probs vs a fresh evaluation")
                 assert greedy == bool((fresh[at].argmax(-1) == torch.tensor(c)).all())
 
 
@@ -64,7 +57,7 @@ def test_score_one_list_per_batch_item(engine):
     assert scores.sums.shape == (2, 1, 3) and scores.sums[0, 0, 2].isnan()
     assert not scores.sums[1].isnan().any()
     _check(engine, state, scores)
-    means = scores.means[1, 0]
+    means = scores.means[1, 0]          # the same floats averaged in another order: ~1 ulp
     assert means.tolist() == pytest.approx([sum(x) / len(x) for x in scores.logprobs[1][0]])
     assert scores.best().tolist() == [[int(scores.sums[0, 0, :2].argmax())],
                                       [int(scores.sums[1, 0].argmax())]]
@@ -106,13 +99,12 @@ def test_next_logprobs_is_exact_and_independent_of_other_rows(engine):
     rows = [words[: rng.randint(1, 40)] for _ in range(49)] + [[]]
     lp = ss.from_tokens(engine, rows).next_logprobs()
     assert lp.shape == (50, 1, engine.vocab.size) and lp.dtype == torch.float32
-    tol = _logprob_tolerance(engine)
     for row, got in zip(rows, lp[:, 0]):
         tokens = row or engine.start_token_ids
         alone = ss.from_tokens(engine, [tokens]).next_logprobs()[0, 0]
-        assert (got - alone).abs().max().item() < tol
+        assert_close(got, alone, engine, "next_logprobs: a row among 50 vs alone")
         fresh = engine.full_logits(tokens)[-1].float().log_softmax(-1)
-        assert (got - fresh).abs().max().item() < tol
+        assert_close(got, fresh, engine, "next_logprobs vs a fresh evaluation")
 
 
 def test_branching_a_prefix_and_comparing_next_token_distributions(tiny):
@@ -125,7 +117,8 @@ def test_branching_a_prefix_and_comparing_next_token_distributions(tiny):
     diff = lp[:, 0, mary] - lp[:, 0, john]
     for i, row in enumerate(variants.rows):
         fresh = tiny.full_logits(list(row.tokens))[-1]
-        assert diff[i].item() == pytest.approx((fresh[mary] - fresh[john]).item(), abs=1e-4)
+        assert_close(diff[i], fresh[mary] - fresh[john], tiny, "a next-token log-odds",
+                     terms=2)
     # a 1x3 state branches into 2 batch items of 3 samples; a 2-item state takes one each
     forked = ss.text(tiny)("Hi", max_tokens=1, num_samples=3, sampler=ss.multinomial(), seed=1)
     assert (forked + [" a", " b"]).shape == (2, 3)
@@ -159,7 +152,8 @@ def test_each_prefix_is_computed_once_and_continuations_are_not_stored(fresh_tin
     # stored: the contexts, not the continuations
     assert m.stats.kv_bytes_cached == _trie_size(contexts) * _bytes_per_token(m)
     again = m.stats
-    assert torch.allclose(state.score(options).sums, scores.sums, atol=1e-4)
+    assert_close(state.score(options).sums, scores.sums, m, "sums, contexts now cached",
+                 terms=max(len(o) for opts in options for o in opts))
     second = m.stats - again
     # a second identical call: each context's last token (its distribution) and the options
     assert second.prefill_tokens == 0
@@ -188,7 +182,7 @@ def test_options_that_begin_alike_feed_their_common_part_once(fresh_tiny):
     for j, option in enumerate(options):
         ref = m.full_logits(context + option).log_softmax(-1)
         want = [float(ref[len(context) - 1 + k, t]) for k, t in enumerate(option)]
-        assert max(abs(a - b) for a, b in zip(scores.logprobs[0][0][j], want)) < 1e-4
+        assert_close(scores.logprobs[0][0][j], want, m, "a trie-fed option's log-probs")
         greedy = all(int(ref[len(context) - 1 + k].argmax()) == t for k, t in enumerate(option))
         assert scores.greedy[0][0][j] == greedy
 
@@ -224,7 +218,7 @@ def test_scored_choice_stores_only_the_winner(fresh_tiny):
     for ids in losers:
         assert m.backend.store.match(prompt + ids).length == len(prompt)
     alone = ss.from_tokens(m, [prompt]).score(texts).means[0, 0]       # length-normalised
-    assert [state.scores[t] for t in texts] == pytest.approx(alone.tolist(), abs=1e-4)
+    assert_close([state.scores[t] for t in texts], alone, m, "a scored choice's means")
 
 
 @pytest.mark.parametrize("bad, error", [

@@ -65,6 +65,7 @@ def test_weights_kept_on_text_and_summed_on_state(tiny):
     a = gen("x", max_tokens=3)
     b = gen("y", max_tokens=3)
     assert torch.equal((a + " more").weights, a.weights)
+    # float64 sums of the same floats grouped differently (~1e-16): strict on any CPU
     assert torch.allclose((a + b).weights, a.weights + b.weights)
 
 
