@@ -34,17 +34,17 @@ Examples
 >>> a = tree.attach(Node(tree.root, 0, (1, 2, 3)))
 >>> tree.match([1, 2, 3, 4]).length     # the longest stored prefix
 3
->>> kept = tree.match([1, 2])            # a hard pin: work in progress on node `a`
+>>> kept = tree.match([1, 2])            # a hard pin: work in progress
 >>> tree.lru_leaf() is None
 True
 >>> del kept
 >>> tree.lru_leaf() is a
 True
->>> state = tree.match([1, 2]).soft()   # a live state's reference does not block eviction
+>>> state = tree.match([1, 2]).soft()   # a state's reference: evictable
 >>> tree.lru_leaf() is a, tree.held
 (True, 3)
 >>> tree.remove(a)
->>> tree.live_evictions, tree.lost_end([1, 2, 3, 4])    # lost, computed again when needed
+>>> tree.live_evictions, tree.lost_end([1, 2, 3, 4])    # lost: computed again
 (1, 3)
 >>> del state
 >>> tree.lost_end([1, 2, 3, 4])
