@@ -223,20 +223,17 @@ class HFBatch:
         from the buffer (the prefix too, if it was evicted meanwhile).  A soft handle."""
         row = self.row_of[slot]
         base = self.bases[row]
-        n = length - base.length
         frozen = self.frozen[row]
         store = self.backend.store
-        if base.node.scratch:                     # a scratch path goes on below its handle
-            if n <= 0:
-                return base.prefix(length)
-            kv = self.buf.gather(row, self.cols[row][:n])
-            return store.extend(tokens, base.length, kv, base=base, scratch=True).soft()
         # what was fed while frozen is scratch: stored KV of the same tokens must not stand in
-        scratch = frozen is not None and frozen < n
+        scratch = frozen is not None and frozen < length - base.length
         with store.lock:
-            found = store.match(tokens, base.length + frozen if scratch else length)   # pinned
-            if found.length == length:
-                return found.soft()
+            if base.node.scratch:                 # a scratch path goes on below its handle
+                found = base
+            else:                                 # a hard pin while the rest is stored
+                found = store.match(tokens, base.length + frozen if scratch else length)
+            if found.length >= length:
+                return found.prefix(length).soft()
             columns = [*range(self.first[row], self.first[row] + base.length), *self.cols[row]]
             kv = self.buf.gather(row, columns[found.length: length])
             return store.extend(tokens, found.length, kv, base=found, scratch=scratch).soft()
