@@ -252,7 +252,7 @@ def assert_close(actual, expected, model, what: str, *, terms: int = 1,
             bound, how = cap, f"the contract's {cap:g} (below the derived {how})"
     else:
         assert model.engine == "llama.cpp", f"{what}: pass the HF model that is the reference"
-        from seqstate.backends.llamacpp import NOISE_FLOOR
+        from seqstate.backends.llamacpp.backend import NOISE_FLOOR
 
         bound = NOISE_FLOOR * terms
         how = f"{model.engine}'s NOISE_FLOOR {NOISE_FLOOR:g} x {terms} term(s) (bit-identical rows)"

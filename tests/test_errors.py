@@ -71,8 +71,10 @@ INTERNAL: dict[tuple[str, str, str], str] = {
         "caught by Generator._parse: an invalid complete value becomes value None",
     ("seqstate/constraints/json_constraint.py", "_no_duplicates", "ValueError"):
         "json.loads' object_pairs_hook protocol; caught in JsonConstraint._check",
-    ("seqstate/vllm/server.py", "_interrupt", "KeyboardInterrupt"):
+    ("seqstate/backends/vllm/server.py", "_interrupt", "KeyboardInterrupt"):
         "the SIGTERM handler of `python -m seqstate.vllm serve`: a clean shutdown, not an error",
+    ("seqstate/models/__init__.py", "__getattr__", "AttributeError"):
+        "a module's __getattr__ protocol (PEP 562): a name the package does not have",
 }
 
 
@@ -284,7 +286,7 @@ def test_a_failed_llama_decode_says_what_its_status_means():
     from conftest import request_llamacpp
 
     request_llamacpp()
-    from seqstate.backends.llamacpp import LlamaCppBackend
+    from seqstate.backends.llamacpp.backend import LlamaCppBackend
     from seqstate.backends.llamacpp.native import SCRATCH_SEQ
 
     backend = LlamaCppBackend(ss.models.default_gguf(), n_ctx=256, n_threads=1)

@@ -479,7 +479,7 @@ def _pauses(monkeypatch) -> list:
 def _greedy_within_noise(model, tokens, start):
     """Every token from ``start`` on is the constrained argmax of a fresh evaluation, within
     the engine's noise."""
-    from seqstate.backends.llamacpp import NOISE_FLOOR
+    from seqstate.backends.llamacpp.backend import NOISE_FLOOR
 
     logits = model.backend.fresh_logits(tokens)                                # (T, V)
     cursor = ss.regex(model, STORY).constraint.start()

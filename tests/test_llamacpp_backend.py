@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 from seqstate.backends.base import Backend, Batch, Handle  # noqa: E402
 import seqstate as ss  # noqa: E402
-from seqstate.backends.llamacpp import LlamaCppBackend  # noqa: E402
+from seqstate.backends.llamacpp.backend import LlamaCppBackend  # noqa: E402
 from seqstate.engine import next_logprobs  # noqa: E402
 from seqstate.errors import ArgumentError, ContextOverflowError, ModelNotAvailable  # noqa: E402
 from seqstate.models.loading import default_gguf  # noqa: E402

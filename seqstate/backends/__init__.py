@@ -1,10 +1,8 @@
-"""Engines behind the generators, all speaking the protocol in `seqstate.backends.base`.
-
-``hf`` is the reference (a transformers model, exact in fp32); ``llamacpp`` runs GGUF files
-through llama.cpp with KV shared inside llama.cpp's own sequences.
+"""Engines behind the generators, each one folder of one shape, all speaking the protocol in
+`seqstate.backends.base` (a stepping backend or a request backend) and registered once in
+`seqstate.backends.registry`.
 """
 
 from seqstate.backends.base import Backend, Batch, Capabilities, Handle
-from seqstate.backends.hf import HFBackend
 
-__all__ = ["Backend", "Batch", "Capabilities", "Handle", "HFBackend"]
+__all__ = ["Backend", "Batch", "Capabilities", "Handle"]

@@ -23,7 +23,7 @@ from seqstate.errors import ArgumentError
 from seqstate.generation.constructors import cfg, choice, json, regex, text
 from seqstate.generation.generator import Generator
 from seqstate.models.base import BaseModel as Model
-from seqstate.models.loading import from_outlines
+from seqstate import models
 
 __all__ = ["continuous", "for_output_type"]
 
@@ -55,7 +55,7 @@ def continuous(generator_or_model: Any, output_type: Any = None) -> Generator:
     om = gen.model
     model = _MODELS.get(om)
     if model is None:
-        model = _MODELS[om] = from_outlines(om)
+        model = _MODELS[om] = models.from_outlines(om)
     return _from_processor(gen.logits_processor, model)
 
 

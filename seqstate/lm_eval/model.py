@@ -25,6 +25,7 @@ from lm_eval.models.utils import (handle_stop_sequences, normalize_gen_kwargs,
                                   postprocess_generated_text)
 
 import seqstate as ss
+from seqstate.backends import registry
 from seqstate.errors import ArgumentError, ContextOverflowError
 
 __all__ = ["SeqStateLM"]
@@ -41,8 +42,9 @@ class SeqStateLM(TemplateLM):
     model : seqstate model, optional
         A model you already have (``ss.models.default()``, ``ss.models.llamacpp(...)``, ...).
         Without it one is built from ``engine`` and ``path``.
-    engine : {"hf", "llama.cpp"}, default "hf"
-        The engine of the model built when ``model`` is not given.
+    engine : str, default "hf"
+        The engine of the model built when ``model`` is not given (``"hf"`` or
+        ``"llama.cpp"``, `seqstate.backends.registry`).
     path : str, optional
         A local transformers directory or ``.gguf`` file (``pretrained`` is an alias, as in
         lm-eval's ``hf`` model); None: the default model (SmolLM2-135M-Instruct).
@@ -265,8 +267,7 @@ def _chunks(contexts: list[tuple[int, ...]], by_context: dict[tuple[int, ...], l
 
 def _load(engine: str, path: str | None, dtype: str, options: dict[str, Any]) -> Any:
     """The seqstate model ``--model_args engine=...,path=...`` names."""
-    if engine not in ss.models.loading.ENGINES:
-        raise ArgumentError(f"engine must be one of {ss.models.loading.ENGINES}, got {engine!r}")
+    registry.get(engine)                          # ArgumentError naming the engines
     torch_dtype = getattr(torch, str(dtype), None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ArgumentError(f"dtype must name a torch dtype (float32, bfloat16, ...), got {dtype!r}")

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from seqstate.backends.hf import DEFAULT_BUDGET_BYTES
-from seqstate.models.hf import Model
+from seqstate.backends.hf.model import HFModel
+from seqstate.backends.hf.store import DEFAULT_BUDGET_BYTES
 from seqstate.models.loading import default_tokenizer
 
 __all__ = ["tiny"]
 
 
 def tiny(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, seed: int = 0,
-         context_length: int = 2048, kv_budget_bytes: int = DEFAULT_BUDGET_BYTES) -> Model:
+         context_length: int = 2048, kv_budget_bytes: int = DEFAULT_BUDGET_BYTES) -> HFModel:
     """A random-weight Llama with SmolLM2's tokenizer; the same ``seed`` gives the same weights.
 
     The global torch RNG is left as it was.
@@ -37,4 +37,4 @@ def tiny(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         hf = LlamaForCausalLM(config)
-    return Model(hf.eval(), tok, kv_budget_bytes=kv_budget_bytes, name=f"tiny(seed={seed})")
+    return HFModel(hf.eval(), tok, kv_budget_bytes=kv_budget_bytes, name=f"tiny(seed={seed})")

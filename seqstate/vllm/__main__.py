@@ -2,7 +2,7 @@
 
 import sys
 
-from seqstate.vllm.server import main
+from seqstate.vllm import main
 
 if __name__ == "__main__":
     sys.exit(main())

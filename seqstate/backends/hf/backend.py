@@ -32,7 +32,7 @@ SERIAL_COLUMNS = 512
 
 
 class HFBackend(Backend):
-    """The engine behind a `seqstate.models.Model` (see ``seqstate.backends.base.Backend``).
+    """The engine behind a `seqstate.backends.hf.model.HFModel` (see ``seqstate.backends.base.Backend``).
 
     Parameters
     ----------

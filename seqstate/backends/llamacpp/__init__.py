@@ -1,12 +1,7 @@
 """The llama.cpp engine: GGUF models, KV shared token by token inside llama.cpp.
 
-Needs ``llama-cpp-python`` (it compiles llama.cpp; ``make test`` installs it).
+Needs ``llama-cpp-python`` (it compiles llama.cpp; ``make test`` installs it).  Importing this
+package imports no llama.cpp: `loader` and `model` import without it and refuse to build a
+model with `seqstate.ModelNotAvailable` saying how to install it; `backend`, `batch`, `store`
+and `native` need it.
 """
-
-from seqstate.backends.llamacpp.backend import NOISE_FLOOR, LlamaCppBackend, check_options
-from seqstate.backends.llamacpp.batch import LlamaCppBatch
-from seqstate.backends.llamacpp.native import check_gguf
-from seqstate.backends.llamacpp.store import SeqHandle, SeqStore
-
-__all__ = ["LlamaCppBackend", "LlamaCppBatch", "SeqStore", "SeqHandle", "NOISE_FLOOR",
-           "check_options", "check_gguf"]

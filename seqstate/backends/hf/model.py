@@ -1,4 +1,4 @@
-"""A Hugging Face causal LM and its tokenizer on the ``hf`` engine (`seqstate.backends.hf`)."""
+"""A Hugging Face causal LM and its tokenizer on the ``hf`` engine."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ from typing import Any
 
 import torch
 
-from seqstate.backends.hf import DEFAULT_BUDGET_BYTES, HFBackend, KVStore
+from seqstate.backends.hf.backend import HFBackend
+from seqstate.backends.hf.store import DEFAULT_BUDGET_BYTES, KVStore
 from seqstate.models.base import BaseModel
 
-__all__ = ["Model"]
+__all__ = ["HFModel"]
 
 
-class Model(BaseModel):
+class HFModel(BaseModel):
     """A causal LM with its tokenizer, KV store, compiled-constraint cache and counters.
 
     Build one with `seqstate.models.default()`, `transformers()`,

@@ -43,7 +43,7 @@ def server_python(python: str | os.PathLike | None = None) -> Path:
     """The server environment's Python: ``python``, ``$SEQSTATE_VLLM_PYTHON``, or
     ``.venv-vllm`` in the current folder or the checkout seqstate runs from."""
     candidates = [python, os.environ.get("SEQSTATE_VLLM_PYTHON")]
-    checkout = Path(__file__).resolve().parents[2]
+    checkout = Path(__file__).resolve().parents[3]
     candidates += [Path.cwd() / VENV / "bin" / "python", checkout / VENV / "bin" / "python"]
     for candidate in candidates:
         if candidate and Path(candidate).is_file():

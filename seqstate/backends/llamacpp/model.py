@@ -6,32 +6,25 @@ import os
 from pathlib import Path
 from typing import Any
 
-from seqstate.errors import ModelMismatch, ModelNotAvailable
+from seqstate.backends import registry
+from seqstate.errors import ModelMismatch
 from seqstate.models.base import BaseModel
 
-__all__ = ["LlamaCppModel", "INSTALL_HINT", "check_arguments", "backend_package"]
-
-INSTALL_HINT = ("the llama.cpp engine needs llama-cpp-python, which compiles from source: "
-                "`pip install llama-cpp-python` (cmake and a C++ compiler), or `make test`, "
-                "which installs it")
+__all__ = ["LlamaCppModel", "check_arguments"]
 
 
-def backend_package() -> Any:
-    """The llama.cpp backend package; `ModelNotAvailable` where llama-cpp-python is missing."""
-    try:
-        from seqstate.backends import llamacpp
-    except ImportError as exc:
-        raise ModelNotAvailable(INSTALL_HINT) from exc
-    return llamacpp
+def _native(name: str) -> Any:
+    """A module of this folder that needs llama-cpp-python (imported when a model is built,
+    so that this module imports without it); `ModelNotAvailable` saying how to install it."""
+    return registry.get("llama.cpp").module(name)
 
 
 def check_arguments(path: str | os.PathLike, *, n_ctx: Any, n_threads: Any,
                     n_seq_max: Any) -> None:
     """Refuse, before anything is loaded, options llama.cpp would reject or misread and a
     file that is not GGUF (`ArgumentError`, `ModelNotAvailable`)."""
-    backend = backend_package()
-    backend.check_options(n_ctx=n_ctx, n_threads=n_threads, n_seq_max=n_seq_max)
-    backend.check_gguf(path)
+    _native("backend").check_options(n_ctx=n_ctx, n_threads=n_threads, n_seq_max=n_seq_max)
+    _native("native").check_gguf(path)
 
 
 class LlamaCppModel(BaseModel):
@@ -60,7 +53,7 @@ class LlamaCppModel(BaseModel):
     def __init__(self, path: str | os.PathLike, hf_tokenizer: Any, *, n_ctx: int = 4096,
                  n_threads: int | None = None, n_seq_max: int = 64, quiet_logs: bool = True,
                  name: str | None = None) -> None:
-        backend = backend_package()               # ModelNotAvailable before anything else
+        backend = _native("backend")              # ModelNotAvailable before anything else
         super().__init__(hf_tokenizer, name or Path(path).name)
         self.path = Path(path)
         # the backend checks its options and the file before llama.cpp loads anything
@@ -68,7 +61,7 @@ class LlamaCppModel(BaseModel):
                                                 n_seq_max=n_seq_max, quiet_logs=quiet_logs)
         mine, theirs = self.vocab.size, self.backend.vocab_size
         # a GGUF may round its vocabulary up with unused padding ids a tokenizer lacks
-        if mine > theirs or (mine < theirs and not backend.native.padding_only(path, mine)):
+        if mine > theirs or (mine < theirs and not _native("native").padding_only(path, mine)):
             raise ModelMismatch(
                 f"the tokenizer has {mine} tokens but {self.path.name} has {theirs}"
                 f"{'' if mine > theirs else ', not all of the rest unused padding'}: they are "
