@@ -61,8 +61,12 @@ $(VLLM_BASE):
 	$(VLLM_HOME)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_BASE)
 
-$(VLLM): $(STAMP) $(VLLM_BASE) $(PLUGIN)/pyproject.toml $(PLUGIN)/seqstate_vllm/__init__.py
+# Reinstalled whenever a file of the plugin changes, or one is added or removed (the folder's
+# time); setuptools' build/ folder goes first, or a removed module would come back from it.
+$(VLLM): $(STAMP) $(VLLM_BASE) $(PLUGIN)/pyproject.toml $(PLUGIN)/seqstate_vllm \
+		$(wildcard $(PLUGIN)/seqstate_vllm/*.py)
 	ln -sfn $(VLLM_HOME) .venv-vllm
+	rm -rf $(PLUGIN)/build
 	$(VLLM_HOME)/bin/python -m pip install --quiet --no-deps --force-reinstall ./$(PLUGIN)
 	touch $(VLLM)
 

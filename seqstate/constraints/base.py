@@ -89,8 +89,9 @@ class Constraint(ABC):
         return None
 
     def remote(self) -> dict | None:
-        """The constraint as seqstate's vLLM plugin builds it, over the same token bytes:
-        ``{"regex": anchored pattern}`` or ``{"grammar": llguidance grammar}``, with
-        ``"replay"``: tokens a cursor walks before its first (a regex's sentinel).  None
-        where it cannot be sent (an index compiled elsewhere)."""
+        """The constraint as a server-side plugin (seqstate's vLLM plugin) builds it, over
+        the same token bytes: a spec (`seqstate.constraints.spec`) with ``regex`` (the
+        anchored pattern) or ``grammar`` (an llguidance grammar), and ``replay``: tokens a
+        cursor walks before its first (a regex's sentinel).  None where it cannot be sent
+        (an index compiled elsewhere)."""
         return None

@@ -17,6 +17,7 @@ from llguidance import TokenizerWrapper
 import numpy as np
 import torch
 
+from seqstate.constraints import spec
 from seqstate.constraints.base import Constraint, Cursor
 from seqstate.errors import ConstraintError
 
@@ -112,7 +113,7 @@ class GrammarConstraint(Constraint):
         return cls("<llguidance grammar>", model, serialized=grammar)
 
     def remote(self) -> dict:
-        return {"grammar": self.grammar}
+        return {spec.GRAMMAR: self.grammar}
 
     def start(self) -> GrammarCursor:
         return GrammarCursor(self, self._origin.deep_copy())

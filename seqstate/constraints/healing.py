@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from seqstate.constraints import spec
 from seqstate.constraints.base import Cursor
 from seqstate.detokenize import TokenVocabulary
 
@@ -53,7 +54,7 @@ class HealingCursor(Cursor):
         return mask
 
     def remote(self) -> dict:
-        return {"heal": self.remaining.hex()}
+        return {spec.HEAL: self.remaining.hex()}
 
     def advance(self, token: int) -> HealingCursor | None:
         b = self.vocab.token_bytes[token]

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from outlines_core import Index, Vocabulary
 
+from seqstate.constraints import spec
 from seqstate.constraints.base import Constraint, Cursor
 from seqstate.errors import ConstraintError
 
@@ -67,7 +68,7 @@ def _compile(pattern: str, model) -> tuple[Index, int, dict]:
     vocab = _vocabulary(model)
     try:
         index = Index(anchored(pattern), vocab)
-        return index, index.get_initial_state(), {"regex": anchored(pattern)}
+        return index, index.get_initial_state(), {spec.REGEX: anchored(pattern)}
     except Exception as exc:
         if "start state" not in str(exc):
             raise
@@ -75,7 +76,7 @@ def _compile(pattern: str, model) -> tuple[Index, int, dict]:
     regex = f"\\x{byte:02x}" + anchored(pattern)
     index = Index(regex, vocab)
     return (index, index.get_next_state(index.get_initial_state(), token),
-            {"regex": regex, "replay": [token]})
+            {spec.REGEX: regex, spec.REPLAY: [token]})
 
 
 def _sentinel(model) -> tuple[int, int]:

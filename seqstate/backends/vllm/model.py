@@ -9,7 +9,8 @@ from typing import Any
 
 from seqstate.backends.vllm.backend import VllmBackend
 from seqstate.backends.vllm.client import Client
-from seqstate.backends.vllm.vocab import VOCAB_FILE, fingerprint, served_eos, vocabulary_table
+from seqstate.backends.vllm.vocab import served_eos, vocabulary_table
+from seqstate.backends.vllm.wire import VOCAB_FILE, fingerprint
 from seqstate.errors import ArgumentError, ModelMismatch, ModelNotAvailable
 from seqstate.models.base import BaseModel
 

@@ -23,7 +23,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from seqstate.backends.vllm.vocab import VOCAB_FILE, served_eos, vocabulary_table
+from seqstate.backends.vllm.vocab import served_eos, vocabulary_table
+from seqstate.backends.vllm.wire import VOCAB_FILE
 from seqstate.errors import ArgumentError, EngineError, ModelNotAvailable
 
 __all__ = ["Server", "server_python", "model_folder", "free_port", "FLAGS", "VENV"]

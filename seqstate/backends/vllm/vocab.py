@@ -1,13 +1,13 @@
-"""The vocabulary table the server plugin constrains with, and its fingerprint.
+"""The vocabulary table the server plugin constrains with.
 
 The plugin (``plugins/seqstate-vllm``) never imports seqstate: it reads this table, written
 beside the served model by ``python -m seqstate.vllm serve``, and refuses any request whose
-fingerprint differs from it, so client and server agree on every token's exact bytes.
+fingerprint (`seqstate.backends.vllm.wire.fingerprint`) differs from it, so client and server
+agree on every token's exact bytes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -15,9 +15,7 @@ from typing import Any
 
 from seqstate.detokenize import TokenVocabulary
 
-__all__ = ["vocabulary_table", "fingerprint", "served_eos", "VOCAB_FILE"]
-
-VOCAB_FILE = "seqstate-vocab.json"
+__all__ = ["vocabulary_table", "served_eos"]
 
 
 def vocabulary_table(vocab: TokenVocabulary, eos: Iterable[int]) -> dict[str, Any]:
@@ -52,9 +50,3 @@ def served_eos(tokenizer: Any, folder: Path | None) -> list[int]:
         if source is not None:
             ids.update(source if isinstance(source, list) else [source])
     return sorted(ids)
-
-
-def fingerprint(table: dict[str, Any]) -> str:
-    """sha256 of the table's canonical JSON (the plugin computes the same)."""
-    text = json.dumps(table, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(text.encode()).hexdigest()
