@@ -1,6 +1,6 @@
 """Reading log-probs off a state: ``state.score(continuations)`` and ``state.next_logprobs()``.
 
-Both go through the model's scheduler to its engine (`seqstate.backends.scoring`): every row's
+Both go through the model's runner to its engine (`seqstate.backends.scoring`): every row's
 KV is found in the store or computed once and stored, the distribution after each row's last
 token is computed once, and continuations are fed after their row as scratch KV (not stored
 unless ``store=True``), in groups bounded by a token budget.
@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from seqstate.engine import scoring
 from seqstate.errors import ArgumentError, BatchMismatch, ContextOverflowError
 
 __all__ = ["Scores", "score", "next_logprobs"]
@@ -156,7 +155,7 @@ def score(model: Any, rows: Sequence[Sequence[int]], shape: tuple[int, int],
                     f"{len(prefix) + len(c) - 1} positions, past the model's context of "
                     f"{limit} tokens")
             pairs.append((prefix, c))
-    scored = iter(scoring.score(model, pairs, store=store))
+    scored = iter(model.runner.score(pairs, store=store))
     tokens, logprobs, greedy = [], [], []
     for b in range(n_batch):
         rows_t, rows_l, rows_g = [], [], []
@@ -174,8 +173,4 @@ def score(model: Any, rows: Sequence[Sequence[int]], shape: tuple[int, int],
 def next_logprobs(model: Any, rows: Sequence[Sequence[int]], shape: tuple[int, int]
                   ) -> torch.Tensor:
     """``state.next_logprobs()``: ``(batch, samples, vocab)`` for the state's ``rows``."""
-    if model.backend.capabilities.steps:   # a server sends a whole distribution per request
-        model.backend.capabilities.require(
-            "full_logits", "state.next_logprobs()", "score the tokens you need with state.score",
-            model.name)
-    return scoring.next_logprobs(model, _prefixes(model, rows)).view(*shape, -1)
+    return model.runner.next_logprobs(_prefixes(model, rows)).view(*shape, -1)

@@ -7,7 +7,6 @@ import pickle
 import pytest
 
 import seqstate as ss
-from seqstate.hooks import Rollback
 
 
 class _Limited:
@@ -33,10 +32,6 @@ def limited(model, request, monkeypatch):
     return model
 
 
-def _never(event):
-    return None
-
-
 def _refused(model, capability: str, call) -> None:
     before = model.stats
     with pytest.raises(ss.CapabilityError) as info:
@@ -49,12 +44,7 @@ def _refused(model, capability: str, call) -> None:
 # what each capability's absence refuses, and what still runs without it
 REFUSED = {
     "full_logits": {
-        "hooks": lambda m: ss.text(m)("Hi", max_tokens=3, hooks=[_never]),
-        "hooks, streamed": lambda m: ss.final_state(
-            ss.text(m).stream("Hi", max_tokens=3, hooks=[_never])),
-        "a ban list": lambda m: ss.regex(m, "[a-z]{3}")("Hi", hooks=[
-            ss.hooks.ban_phrases(["zzz"])]),
-        "beam search": lambda m: ss.text(m)("Hi", max_tokens=3, sampler=ss.beam_search(2)),
+        "model.full_logits()": lambda m: m.full_logits(m.encode("Hi")),
     },
     "prefix_sharing": {
         "forking": lambda m: ss.text(m)("Hi", max_tokens=3, num_samples=2,
@@ -122,8 +112,9 @@ def test_features_that_do_not_need_a_capability_still_run(limited, feature):
 
 @pytest.mark.parametrize("limited", ["full_logits"], indirect=True)
 def test_the_error_says_what_to_do(limited):
-    with pytest.raises(ss.CapabilityError, match="is needed for hooks.*leave hooks= out") as info:
-        ss.text(limited)("Hi", hooks=[lambda e: Rollback(1)])
+    with pytest.raises(ss.CapabilityError,
+                       match=r"is needed for model\.full_logits\(\).*use the hf") as info:
+        limited.full_logits(limited.encode("Hi"))
     assert "full_logits" in str(info.value) and repr(limited.name) in str(info.value)
 
 

@@ -42,7 +42,7 @@ INTERNAL: dict[tuple[str, str, str], str] = {
     ("seqstate/radix.py", "RadixTree.*", "ValueError"): _PROTOCOL,
     ("seqstate/backends/hf/store.py", "KVStore.*", "RuntimeError"): _PROTOCOL,
     ("seqstate/backends/hf/store.py", "_check_segment", "RuntimeError"): _CORRUPT,
-    ("seqstate/backends/llamacpp/backend.py", "LlamaCppBackend._ensure_kv", "ValueError"):
+    ("seqstate/backends/llamacpp/backend.py", "LlamaCppBackend.ensure_kv", "ValueError"):
         _PROTOCOL,
     ("seqstate/backends/llamacpp/batch.py", "LlamaCppBatch.*", "KeyError"): _PROTOCOL,
     ("seqstate/backends/llamacpp/batch.py", "LlamaCppBatch.*", "ValueError"): _PROTOCOL,
@@ -293,5 +293,5 @@ def test_a_failed_llama_decode_says_what_its_status_means():
     bad = backend.vocab_size + 5                  # a token id outside the vocabulary: -1
     with pytest.raises(ss.EngineError, match="status -1: an invalid batch"):
         backend._decode([bad], [0], [SCRATCH_SEQ], [True])
-    backend._llama.free_top(SCRATCH_SEQ)
+    backend.llama.free_top(SCRATCH_SEQ)
     backend.verify()

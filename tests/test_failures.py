@@ -142,7 +142,7 @@ def test_a_failing_job_method_fails_that_call_alone(fresh_tiny, monkeypatch, met
     # together: both newcomers are admitted in one step (one batch.add); alone: the bad one
     # joins by itself (Job.start), and the good one after it has failed
     later = _start(good, bad) if arrival == "together" else _start(bad)
-    _until(lambda: len(m.scheduler._pending) == len(later))
+    _until(lambda: len(m.runner._pending) == len(later))
     proceed.set()
     if arrival == "alone":
         later[0][0].join(WAIT)
@@ -251,7 +251,7 @@ def test_a_batch_failure_fails_the_batch_and_the_worker_starts_afresh(fresh_tiny
 
 def test_a_caller_never_waits_on_a_dead_worker(fresh_tiny, monkeypatch):
     m = fresh_tiny
-    sched = m.scheduler
+    sched = m.runner
 
     def dies():               # the thread ends without running any of the worker's guards
         return None

@@ -66,7 +66,7 @@ def test_greedy_equals_llama_cpp_python_generate(gemma_llama):
     # the configuration the engine documents: flash attention, V cache of the engine's type
     llm = llama_cpp.Llama(model_path=str(gemma_llama.path), n_ctx=2048, verbose=False,
                           n_threads=gemma_llama.backend.n_threads, flash_attn=True,
-                          type_v=gemma_llama.backend._llama.v_type)
+                          type_v=gemma_llama.backend.llama.v_type)
     text = ss.text(gemma_llama)
     for prompt in PROMPTS[:2]:
         ids = gemma_llama.encode_prompt(prompt)

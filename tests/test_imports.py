@@ -44,12 +44,7 @@ LAYERS = [
 # Import edges that still close a cycle, in files this task does not own; each names the item
 # that removes it (issue 24, item 6).  An edge listed here that disappears is fine: the test
 # only refuses cycles that are not listed.
-KNOWN_CYCLES = {
-    # the batch annotates its backend under TYPE_CHECKING; the backend builds the batch
-    ("seqstate.backends.hf.batch", "seqstate.backends.hf.backend"),
-    ("seqstate.backends.hf.prefill", "seqstate.backends.hf.backend"),
-    ("seqstate.backends.llamacpp.batch", "seqstate.backends.llamacpp.backend"),
-}
+KNOWN_CYCLES: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, tuple[pathlib.Path, bool]]:

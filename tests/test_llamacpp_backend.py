@@ -160,7 +160,7 @@ def test_eight_forks_share_cells(tok):
         if step < 7:
             for row, t in zip(rows, last):
                 row.append(t)
-    llama = backend._llama
+    llama = backend.llama
     for slot in slots:                                             # each fork covers the prompt
         seq = batch._slots[slot].seq
         assert (llama.seq_pos_min(seq), llama.seq_pos_max(seq)) == (0, 512 + 8 - 1)
@@ -366,10 +366,10 @@ def test_freed_cells_never_take_tokens_below_live_ones(tok):
     slots = batch.add(rows, extra=16)
     last = [r[-1] for r in rows]
     step = compactions = 0
-    while backend._llama.compactions < 2:
+    while backend.llama.compactions < 2:
         logits = batch.forward(slots, last)
-        if step % 4 == 0 or backend._llama.compactions > compactions:
-            compactions = backend._llama.compactions
+        if step % 4 == 0 or backend.llama.compactions > compactions:
+            compactions = backend.llama.compactions
             for j, row in enumerate(rows):
                 assert _maxdiff(logits[j], backend.fresh_logits(row)[-1]) < EXACT, (step, j)
         last = logits.argmax(-1).tolist()

@@ -1,11 +1,14 @@
 """The backend protocol: what the generators and the decode loop need from an engine.
 
-The cut is at *rows*, not at ``forward(cache)``: a backend makes sure each row's prefix has KV
-(computing only what no stored prefix covers), runs one token per working row and returns
-next-token logits, forgets a row's trailing KV (rollback), copies rows (beam search), stores a
-finished row's KV so later states reuse it, and scores whole continuations.  How KV is kept is
-the backend's business: torch segments in a radix store (``hf``), sequences sharing cells inside
-llama.cpp (``llamacpp``), or a remote server's prefix cache.
+Two kinds of engine, two classes.  A `StepBackend` is cut at *rows*, not at
+``forward(cache)``: it makes sure each row's prefix has KV (computing only what no stored
+prefix covers), runs one token per working row and returns next-token logits, forgets a row's
+trailing KV (rollback), copies rows (beam search) and stores a finished row's KV so later
+states reuse it; seqstate samples each token.  A `RequestBackend` is a server that runs whole
+requests (seqstate's constraints inside it) and streams their tokens back.  Both score whole
+continuations and keep the counters `Backend` declares.  How KV is kept is the backend's
+business: torch segments in a radix store (``hf``), sequences sharing cells inside llama.cpp
+(``llamacpp``), or a remote server's prefix cache (no store on this side).
 
 Handles
     A handle names the KV of the first ``length`` tokens of one row's token path.  States hold
@@ -17,17 +20,18 @@ Handles
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from seqstate.errors import CacheFullError, CapabilityError
 
-__all__ = ["Capabilities", "WorkCounters", "Handle", "Scored", "Batch", "Backend",
-           "RequestBackend", "CacheFullError",
+__all__ = ["Capabilities", "WorkCounters", "Handle", "Scored", "Token", "Batch", "Backend",
+           "StepBackend", "RequestBackend", "CacheFullError",
            "openmp", "single_threaded_torch"]
 
 
@@ -40,8 +44,8 @@ class Capabilities:
     name
         the engine's name, for messages (``"hf"``, ``"llama.cpp"``, ``"vllm"``).
     full_logits
-        next-token logits over the whole vocabulary at every step (samplers and hooks that
-        read them; on an engine that steps rows, beams and ``next_logprobs`` too).
+        next-token logits over the whole vocabulary at every step (``model.full_logits()``,
+        samplers that read them); every `StepBackend` has them, a `RequestBackend` may not.
     prefix_sharing
         token-level KV sharing between rows (forks store a prefix once).
     batching
@@ -50,10 +54,6 @@ class Capabilities:
         logits equal a fresh fp32 evaluation to fp32 noise (the exactness reference).
     max_rows
         most working rows one batch can hold at once (None: no fixed limit).
-    steps
-        rows run step by step through `Backend.batch` (the engine samples each token from
-        the logits); False: the engine is a server that runs whole requests (`complete`,
-        seqstate's constraints inside it), and calls go to it as requests.
     own_threads
         the engine computes on CPU threads of its own; its ``on_worker_start`` then makes the
         sampling step (torch ops over a few rows of logits) run single-threaded on the
@@ -69,7 +69,6 @@ class Capabilities:
     exact: bool = False
     max_rows: int | None = None
     own_threads: bool = False
-    steps: bool = True
 
     def require(self, capability: str, feature: str, instead: str, model: str) -> None:
         """Raise `CapabilityError` when this engine lacks ``capability`` (``"full_logits"``,
@@ -142,6 +141,23 @@ class Scored:
         return all(self.argmax)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Token:
+    """One token of a streamed request (`RequestBackend.complete`): which of its ``n``
+    choices, the token, its raw log-prob, whether it is the most likely token there, and the
+    choice's finish (on its last token, or on an empty final event: ``token`` None):
+    ``"max_tokens"`` where the request's ``max_tokens`` ran out, ``"stop"`` where the server
+    ended it (an EOS token, or the constraint with no way on); ``top``: the most likely
+    tokens there with their raw log-probs, best first, when the request asked."""
+
+    index: int
+    token: int | None
+    logprob: float | None
+    argmax: bool
+    finish: str | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @runtime_checkable
 class Batch(Protocol):
     """Working rows ("slots") that run together, one token per slot per forward.
@@ -201,15 +217,24 @@ class Batch(Protocol):
 
 @runtime_checkable
 class Backend(Protocol):
-    """An engine behind the generators.  One per model; calls are serialised by the caller
-    (the model's scheduler).  An engine subclasses it for the default ``count``."""
+    """What every engine has and a model uses, whatever its kind.  One per model; calls are
+    serialised by the model's runner.  An engine subclasses one of the two kinds,
+    `StepBackend` or `RequestBackend` (the model picks its runner by the kind), and inherits
+    ``count``, ``frozen``, ``on_worker_start`` and ``close`` from here.
+
+    ``store`` is the engine's store of KV (a radix store, with ``freeze()``), or None where
+    nothing is stored on this side (a server keeps KV in its own prefix cache).
+    """
 
     capabilities: Capabilities
     counters: dict[str, int]          # `WorkCounters.zeros()`, counted up by `count`
     vocab_size: int                   # logits per position
+    context_length: int               # positions the model takes (its trained context)
+    store: Any = None
 
-    def batch(self) -> Batch:
-        """A new, empty batch."""
+    def kv_stats(self) -> dict[str, int]:
+        """KV accounting for the model's ``stats``: ``kv_bytes_held``, ``kv_bytes_cached``,
+        ``evictions``, ``live_evictions``, ``segments``."""
         ...
 
     def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
@@ -222,34 +247,67 @@ class Backend(Protocol):
         budget, not by the number of pairs (`seqstate.backends.scoring`)."""
         ...
 
-    def fresh_logits(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Logits ``(T, V)`` of a fresh evaluation of ``tokens`` sharing no stored KV."""
-        ...
-
     def count(self, **deltas: int) -> None:
         """Add to the work counters (the model's ``stats``)."""
         for name, value in deltas.items():
             self.counters[name] += value
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """A block in which the store is read and nothing is written to it (the model's
+        ``frozen_store()``); with no store on this side, there is nothing to freeze."""
+        if self.store is None:
+            yield
+            return
+        with self.store.freeze():
+            yield
 
     def on_worker_start(self) -> None:
         """Called on the scheduler's worker thread when it starts, before any step: per-thread
         setup (an engine computing on threads of its own makes torch single-threaded there,
         `single_threaded_torch`).  Nothing by default."""
 
+    def close(self) -> None:
+        """Let go of what the engine holds outside this process (connections).  Nothing by
+        default."""
+
+
+@runtime_checkable
+class StepBackend(Backend, Protocol):
+    """An engine that steps rows: seqstate feeds a `Batch` of rows one token at a time and
+    samples each next token from full-vocabulary logits (so ``capabilities.full_logits`` is
+    True by definition).  ``store`` is its radix store of KV."""
+
+    def batch(self) -> Batch:
+        """A new, empty batch."""
+        ...
+
+    def fresh_logits(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Logits ``(T, V)`` of a fresh evaluation of ``tokens`` sharing no stored KV."""
+        ...
+
 
 @runtime_checkable
 class RequestBackend(Backend, Protocol):
-    """An engine that runs whole requests (``capabilities.steps`` False: a server).  The
-    engine sends each call's rows to `complete` instead of stepping a `Batch`."""
+    """An engine that runs whole requests (a server, seqstate's constraints inside it): a
+    call's rows go to `complete` as requests instead of stepping a `Batch`.  Nothing is
+    stored on this side (``store`` None); requests are engine-neutral (token ids, a
+    `seqstate.sampling.params.Sampler`, the constraint's `seqstate.constraints.Cursor.remote`
+    spec) and the backend translates them to its server's protocol."""
 
-    def complete(self, tokens: Sequence[int], *, max_tokens: int, sampling: dict,
-                 spec: dict | None = None, n: int = 1, ignore_eos: bool = False,
-                 top: int = 0) -> Iterator:
-        """Stream ``n`` continuations of ``tokens``: per token, which choice, the token, its
-        raw log-prob, whether it was the argmax, its ``top`` most likely alternatives, and the
-        choice's finish reason on its last.
-        ``spec`` is the constraint the server runs (`seqstate.constraints.Cursor.remote`,
-        with the tokens to replay).  Closing the iterator early aborts the request."""
+    def check_sampler(self, sampler: Any) -> None:
+        """Raise `CapabilityError`, before any request, for a sampler the server cannot run."""
+        ...
+
+    def complete(self, tokens: Sequence[int], *, max_tokens: int, sampler: Any,
+                 seed: int | None = None, spec: dict | None = None, n: int = 1,
+                 ignore_eos: bool = False, top: int = 0) -> Iterator[Token]:
+        """Stream ``n`` continuations of ``tokens`` sampled with ``sampler`` (``seed``: the
+        server's seed for them, None with a greedy sampler) as `Token` s, each with its
+        ``top`` most likely alternatives when ``top`` > 0.  ``spec`` is the constraint the
+        server runs (`seqstate.constraints.spec`: a cursor's ``remote()``, the tokens to replay,
+        tokens banned at positions past the prompt).  Closing the iterator early
+        aborts the request."""
         ...
 
     def next_logprobs(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -268,6 +326,11 @@ class RequestBackend(Backend, Protocol):
     def handle(self, length: int) -> Handle:
         """A handle on a finished row's first ``length`` tokens."""
         ...
+
+    def kv_stats(self) -> dict[str, int]:
+        """The KV is the server's: nothing is held or cached on this side."""
+        return {"kv_bytes_held": 0, "kv_bytes_cached": 0, "evictions": 0, "live_evictions": 0,
+                "segments": 0}
 
 
 def openmp() -> ctypes.CDLL | None:

@@ -14,25 +14,24 @@ Where the candidates come from is the engine's business.  On an engine that step
 child takes over its slot, the others fork it, and parents with no child leave.  Finished
 beams write their KV back to the store, where beams' shared prefixes are stored once.  A beam
 search is a scheduler job like any call: its rows share decode steps with others.  On a
-server (`seqstate.engine.remote.beam`) every beam's step is a one-token request for the
-log-probs of its most likely allowed tokens.
+server (`seqstate.engine.requests.RequestRunner.beam`) every beam's step is a one-token
+request for the log-probs of its most likely allowed tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from seqstate.engine import remote
 from seqstate.engine.decode import FIRST_CAPACITY, commit
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.engine.job import Job
 from seqstate.engine.step import allowed_mask
 from seqstate.sampling.params import BeamSearch
 
-__all__ = ["beam_run", "BeamJob", "Beams", "Candidates"]
+__all__ = ["BeamJob", "Beams", "Candidates"]
 
 Candidates = list[tuple[int, float]]
 """A beam's most likely allowed next tokens with their log-probs, best first."""
@@ -45,21 +44,6 @@ class _Beam:
     length: int            # generated tokens of the program so far
     group: int
     slot: int = -1         # batch slot holding this beam's KV (engines that step rows)
-
-
-def beam_run(model, groups: Sequence[Sequence[tuple[RowRequest, float, int]]],
-             params: BeamSearch, on_step: Callable[[], None] | None = None
-             ) -> Generator[None, None, list[list[tuple[RowResult, float, int]]]]:
-    """Beam-search each group (one batch item's incoming beams: request, weight, length).
-
-    Returns, per group, up to ``width`` ``(result, score, origin)`` triples sorted best-first;
-    ``origin`` is the index of the incoming beam (within its group) the result descends from.
-    ``on_step`` runs after every step (on the scheduler's worker where there is one: a
-    progress bar).
-    """
-    if not model.backend.capabilities.steps:           # a server: one-token requests
-        return remote.beam(model, Beams(model, groups, params), on_step)
-    return (yield from model.scheduler.execute(BeamJob(model, groups, params, on_step)))
 
 
 class Beams:

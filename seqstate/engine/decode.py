@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from seqstate.backends.base import CacheFullError
-from seqstate.engine import remote
 from seqstate.engine.job import Job
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS, Stepper
@@ -125,17 +124,14 @@ def run(model, requests: Sequence[RowRequest], sampler: Sampler,
         max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
         observe: Callable[[list[LiveRow]], Sequence[Any]] = lambda rows: (),
         speculate: bool = True) -> Generator[Any, None, list[RowResult]]:
-    """Continue every row, sharing decode steps with concurrent calls on the same model.
+    """Continue every row on ``model``'s runner (its scheduler, sharing decode steps with
+    concurrent calls, or its server's requests).
 
     Yields what ``observe`` returns after each step; returns the results.  Nothing visible
     outside is mutated: new KV goes into new stored KV, and an exception leaves every
     existing state as it was.
     """
-    if not model.backend.capabilities.steps:          # a server: whole requests
-        return (yield from remote.run(model, requests, sampler, rng, hooks, max_backtracks,
-                                      observe))
-    job = DecodeJob(model, requests, sampler, rng, hooks, max_backtracks, observe, speculate)
-    return (yield from model.scheduler.execute(job))
+    return model.runner.run(requests, sampler, rng, hooks, max_backtracks, observe, speculate)
 
 
 def generate(model, requests: Sequence[RowRequest], sampler: Sampler,
@@ -143,17 +139,4 @@ def generate(model, requests: Sequence[RowRequest], sampler: Sampler,
              max_backtracks: int = DEFAULT_MAX_BACKTRACKS, speculate: bool = True
              ) -> list[RowResult]:
     """Continue every row to completion; see `run()`."""
-    if not model.backend.capabilities.steps:
-        return _drain(remote.run(model, requests, sampler, rng, hooks, max_backtracks))
-    job = DecodeJob(model, requests, sampler, rng, hooks, max_backtracks, lambda rows: (),
-                    speculate)
-    return model.scheduler.run(job)
-
-
-def _drain(gen: Generator[Any, None, Any]) -> Any:
-    """The return value of a generator, run to its end."""
-    while True:
-        try:
-            next(gen)
-        except StopIteration as stop:
-            return stop.value
+    return model.runner.generate(requests, sampler, rng, hooks, max_backtracks, speculate)

@@ -1,6 +1,9 @@
 """Continuous batching: generator calls from any number of threads share decode steps.
 
-Each model has one `Scheduler`.  A call becomes a `Job` (its rows, its own
+Each model on an engine that steps rows (a `StepBackend`) has one `Scheduler`, its runner:
+`run`, `generate`, `beam`, `score`, `next_logprobs` and `stored` are what the model's calls
+ask of it (a server's model has a `seqstate.engine.requests.RequestRunner` instead, with the
+same methods).  A call becomes a `Job` (its rows, its own
 sampler, RNG, hooks and stop strings); a worker thread runs one step at a time for every
 active job: newcomers join the batch (their prefixes prefilled through the store), then a
 single forward feeds every live row of every job, and each job samples its own rows from its
@@ -28,13 +31,20 @@ import itertools
 import queue
 import threading
 import weakref
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import torch
 
+from seqstate.backends.base import Handle, Scored
+from seqstate.engine import scoring
+from seqstate.engine.beam import BeamJob
+from seqstate.engine.decode import DecodeJob
 from seqstate.engine.job import Job
+from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.engine.running import _Run
+from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS
+from seqstate.sampling.params import BeamSearch, Sampler
 
 __all__ = ["Job", "Scheduler", "IDLE_SECONDS", "POLL_SECONDS"]
 
@@ -79,7 +89,7 @@ class Scheduler:
             if not finished:
                 job.cancelled = True          # the worker drops it at its next step
 
-    def run(self, job: Job) -> Any:
+    def run_job(self, job: Job) -> Any:
         """`execute` ``job`` to its end, dropping what it delivers; returns its result."""
         steps = self.execute(job)
         while True:
@@ -88,6 +98,51 @@ class Scheduler:
             except StopIteration as stop:
                 return stop.value
 
+    # -- a model's calls -----------------------------------------------------------------------
+    def run(self, requests: Sequence[RowRequest], sampler: Sampler,
+            rng: torch.Generator | None, hooks: Sequence = (),
+            max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
+            observe: Callable[[list[LiveRow]], Sequence[Any]] = lambda rows: (),
+            speculate: bool = True) -> Generator[Any, None, list[RowResult]]:
+        """Continue every row (a `DecodeJob`), sharing decode steps with concurrent calls;
+        yields what ``observe`` returns after each step, returns the results."""
+        return self.execute(DecodeJob(self.model, requests, sampler, rng, hooks,
+                                      max_backtracks, observe, speculate))
+
+    def generate(self, requests: Sequence[RowRequest], sampler: Sampler,
+                 rng: torch.Generator | None = None, hooks: Sequence = (),
+                 max_backtracks: int = DEFAULT_MAX_BACKTRACKS, speculate: bool = True
+                 ) -> list[RowResult]:
+        """`run` to its end: the results."""
+        return self.run_job(DecodeJob(self.model, requests, sampler, rng, hooks,
+                                      max_backtracks, lambda rows: (), speculate))
+
+    def beam(self, groups: Sequence[Sequence[tuple[RowRequest, float, int]]],
+             params: BeamSearch, on_step: Callable[[], None] | None = None
+             ) -> Generator[None, None, list[list[tuple[RowResult, float, int]]]]:
+        """Beam-search each group (one batch item's incoming beams: request, weight, length)
+        as a `BeamJob`.  Returns, per group, up to ``width`` ``(result, score, origin)``
+        triples sorted best-first; ``origin`` is the index of the incoming beam (within its
+        group) the result descends from.  ``on_step`` runs on the worker after every step."""
+        return self.execute(BeamJob(self.model, groups, params, on_step))
+
+    def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+              store: bool = False) -> list[Scored]:
+        """Teacher-forced log-probs of each pair's continuation, on the worker in parts
+        (`seqstate.engine.scoring.score_in_parts`)."""
+        return scoring.score_in_parts(self, pairs, store=store)
+
+    def next_logprobs(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Float32 log-softmax ``(len(rows), V)`` of the next token after each row, read in
+        the running batch (`seqstate.engine.scoring.next_in_batch`)."""
+        return scoring.next_in_batch(self, rows)
+
+    def stored(self, rows: Sequence[Sequence[int]]) -> list[Handle]:
+        """Handles on each ``row[:-1]``'s KV, stored on the worker
+        (`seqstate.engine.scoring.store_in_parts`)."""
+        return scoring.store_in_parts(self, rows)
+
+    # -- the caller's side ---------------------------------------------------------------------
     def _receive(self, job: Job) -> tuple[str, Any]:
         """The job's next message; raises if the worker died without sending it."""
         while True:

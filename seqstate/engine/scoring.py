@@ -8,7 +8,9 @@ the worker in parts between decode steps (`ROWS_PER_STEP` distinct rows a part, 
 batches: a continuation's many positions and trie forks), so it too is serialised with every
 other call's steps through the scheduler, never beside it under a lock of its own, and a long
 scoring call does not stop other calls for its length.  Both keep memory bounded by the
-scoring budget (`seqstate.backends.scoring`), a group of rows at a time.
+scoring budget (`seqstate.backends.scoring`), a group of rows at a time.  The scheduler's
+`score`, `next_logprobs` and `stored` are these (`score_in_parts`, `next_in_batch`,
+`store_in_parts`); `score` and `next_logprobs` here ask any model's runner.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from seqstate.backends.base import Handle, Scored
 from seqstate.backends.scoring import prefix_groups, store_rows
 from seqstate.engine.job import Job
 
-__all__ = ["score", "next_logprobs", "stored", "BackendJob", "NextJob"]
+__all__ = ["score", "next_logprobs", "score_in_parts", "next_in_batch", "store_in_parts",
+           "BackendJob", "NextJob"]
 
 
 class BackendJob(Job):
@@ -63,7 +66,7 @@ def _parts(keys: Sequence[Any]) -> list[list[int]]:
     return parts
 
 
-def _run_in_parts(model, items: Sequence[Any], keys: Sequence[Any],
+def _run_in_parts(scheduler, items: Sequence[Any], keys: Sequence[Any],
                   work: Callable[[Any, list[Any]], list[Any]]) -> list[Any]:
     """``work(backend, items)`` over parts of ``items`` grouped by key, one part per step;
     the results in the order of ``items``."""
@@ -79,13 +82,13 @@ def _run_in_parts(model, items: Sequence[Any], keys: Sequence[Any],
         return out
 
     steps = [lambda backend, ix=ix: work(backend, [items[i] for i in ix]) for ix in parts]
-    return model.scheduler.run(BackendJob(*steps, combine=combine))
+    return scheduler.run_job(BackendJob(*steps, combine=combine))
 
 
 def score(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, store: bool = False
           ) -> list[Scored]:
-    """Teacher-forced log-probs of each ``(prefix, continuation)`` pair, on the worker (see
-    ``Backend.score``).
+    """Teacher-forced log-probs of each ``(prefix, continuation)`` pair (see
+    ``Backend.score``), by ``model``'s runner.
 
     Examples
     --------
@@ -97,9 +100,19 @@ def score(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, store:
     >>> len(yes.logprobs) == len(model.encode(" yes")), isinstance(yes.greedy, bool)
     (True, True)
     """
-    if not model.backend.capabilities.steps:          # a server: concurrent requests
-        return model.backend.score(pairs, store=store)
-    return _run_in_parts(model, pairs, [tuple(p) for p, _ in pairs],
+    return model.runner.score(pairs, store=store)
+
+
+def next_logprobs(model, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Float32 log-softmax ``(len(rows), V)`` of the next token after each row, by
+    ``model``'s runner (identical rows computed once, each row's KV stored)."""
+    return model.runner.next_logprobs(rows)
+
+
+def score_in_parts(scheduler, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+                   store: bool = False) -> list[Scored]:
+    """`score` on the scheduler's worker, `ROWS_PER_STEP` distinct prefixes a step."""
+    return _run_in_parts(scheduler, pairs, [tuple(p) for p, _ in pairs],
                          lambda backend, part: backend.score(part, store=store))
 
 
@@ -130,25 +143,19 @@ class NextJob(Job):
         return True
 
 
-def next_logprobs(model, rows: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Float32 log-softmax ``(len(rows), V)`` of the next token after each row (identical
-    rows computed once, each row's KV stored): groups of rows within the scoring budget
-    join the running batch one after another (`NextJob`); on a server, concurrent requests
-    (``RequestBackend.next_logprobs``)."""
-    backend = model.backend
-    if not backend.capabilities.steps:
-        return backend.next_logprobs(rows)
+def next_in_batch(scheduler, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """`next_logprobs` in the scheduler's running batch: groups of rows within the scoring
+    budget join it one after another (`NextJob`)."""
+    backend = scheduler.model.backend
     distinct = list(dict.fromkeys(tuple(r) for r in rows))
     out = torch.empty(len(distinct), backend.vocab_size)
     for group in prefix_groups(backend, distinct):
-        out[group] = model.scheduler.run(NextJob([distinct[i] for i in group]))
+        out[group] = scheduler.run_job(NextJob([distinct[i] for i in group]))
     where = {row: i for i, row in enumerate(distinct)}
     return out[[where[tuple(r)] for r in rows]]
 
 
-def stored(model, rows: Sequence[Sequence[int]]) -> list[Handle]:
-    """States' handles on each ``row[:-1]``'s KV, stored on the worker (computing only what
-    the store lacks); on a server, handles on what its prefix cache keeps."""
-    if not model.backend.capabilities.steps:
-        return [model.backend.handle(len(r) - 1) for r in rows]
-    return _run_in_parts(model, rows, [tuple(r) for r in rows], store_rows)
+def store_in_parts(scheduler, rows: Sequence[Sequence[int]]) -> list[Handle]:
+    """States' handles on each ``row[:-1]``'s KV, stored on the scheduler's worker (computing
+    only what the store lacks)."""
+    return _run_in_parts(scheduler, rows, [tuple(r) for r in rows], store_rows)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 from seqstate.call import Call
-from seqstate.engine.beam import beam_run
 from seqstate.errors import ArgumentError, SampleMismatch
 from seqstate.generation import capabilities
 from seqstate.generation.prompts import Prompt
@@ -51,8 +50,9 @@ def beam(gen, prompt: Prompt, call: Call, resume: bool) -> SequenceState:
                             f"item(s)")
     width = max(r.max_new for r in requests)
     with progress_bar(call.progress, width, gen.name, "tok") as bar:
-        results = final_state(beam_run(gen.model, [[g[:3] for g in beams] for beams in groups],
-                                       params, None if bar is None else lambda: bar.update(1)))
+        results = final_state(gen.model.runner.beam(
+            [[g[:3] for g in beams] for beams in groups], params,
+            None if bar is None else lambda: bar.update(1)))
     samples = min(len(r) for r in results)
     rows = []
     for beams, found in zip(groups, results):

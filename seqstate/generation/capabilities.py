@@ -3,13 +3,13 @@
 Which feature needs which `Capabilities` field (the mapping the field docs state):
 
 =================  ==============================================================
-full_logits        hooks on an engine that steps rows (a `SampleEvent` carries the
-                   whole next-token distribution, and a resample draws from it
-                   again; a server runs them on its stream, ``event.logits`` None);
-                   beam search and ``state.next_logprobs()`` there (every beam
-                   is expanded over the whole vocabulary; a server sends each
-                   beam's most likely allowed tokens, and a whole distribution
-                   per request, instead)
+full_logits        ``model.full_logits()`` and samplers a server has not
+                   (`RequestBackend.check_sampler`); an engine that steps rows has
+                   them by definition (hooks' `SampleEvent` carries the whole
+                   next-token distribution there, beams are expanded over it); a
+                   server runs hooks on its stream (``event.logits`` None), sends
+                   each beam's most likely allowed tokens and a whole distribution
+                   per ``state.next_logprobs()`` request instead
 prefix_sharing     forking: ``num_samples=k > 1`` on a one-sample state (the samples
                    share their prompt's KV); beam search (beams fork as they split)
 batching           a decoding call over more than one row (several prompts or
@@ -42,12 +42,9 @@ def check_fork(model: BaseModel, samples: int) -> None:
             "sample")
 
 
-def check_call(model: BaseModel, rows: int, hooks: bool) -> None:
-    """A decoding call over ``rows`` rows, with or without hooks."""
-    if hooks and model.backend.capabilities.steps:    # a server runs them on its stream
-        require(model, "full_logits", "hooks",
-                "leave hooks= out, or run the call on an engine with full logits "
-                "(hf, llama.cpp)")
+def check_call(model: BaseModel, rows: int) -> None:
+    """A decoding call over ``rows`` rows (with or without hooks: every engine runs them,
+    one that steps rows on its logits, a server on its stream)."""
     if rows > 1:
         require(model, "batching", f"a call over {rows} rows",
                 "make one call per prompt and sample, or use an engine that batches "
@@ -58,8 +55,6 @@ def check_beam(model: BaseModel, params: BeamSearch) -> None:
     """Beam search of ``params.width`` beams per batch item (its rows are checked as any
     call's are)."""
     instead = "use ss.greedy() or ss.multinomial(...), or an engine with it (hf, llama.cpp)"
-    if model.backend.capabilities.steps:          # a server sends each beam's top tokens
-        require(model, "full_logits", "beam search", instead)
     require(model, "prefix_sharing", "beam search", instead)
     if params.width > 1:
         require(model, "batching", f"beam search of width {params.width}", instead)

@@ -2,7 +2,7 @@
 
 A call's keywords are declared once, in `seqstate.call.Call`.  A call turns its prompt into
 rows (`prompts`), checks what it needs of the engine (`capabilities`), runs them on the
-model's scheduler and records each row's span: where the call's tokens are and their value.
+model's runner and records each row's span: where the call's tokens are and their value.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Any, Unpack
 
 from seqstate.call import CALL_PARAMETERS, Call, CallOptions
 from seqstate.constraints.base import Constraint, Cursor
-from seqstate.engine.decode import run
 from seqstate.engine.rows import RowRequest, RowResult
 from seqstate.errors import ArgumentError, ConstraintError
 from seqstate.generation import capabilities, prompts
@@ -111,8 +110,9 @@ class Generator:
                           "tok") as bar:
             if bar is not None:
                 observe = counting(observe, bar)
-            results = yield from run(self.model, requests, call.sampler, call.generator(),
-                                     call.hooks, call.max_backtracks, observe, call.speculate)
+            results = yield from self.model.runner.run(
+                requests, call.sampler, call.generator(), call.hooks, call.max_backtracks,
+                observe, call.speculate)
         rows = [self._row(r, res, st, h, call.name)
                 for r, res, st, h in zip(state.rows, results, span_starts, healed)]
         return SequenceState(self.model, tuple(rows), state.n_batch, state.n_samples)
@@ -136,7 +136,7 @@ class Generator:
         state = prompts.fork(start, call.num_samples)
         if state is not start:
             capabilities.check_fork(self.model, state.n_samples)
-        capabilities.check_call(self.model, len(state.rows), bool(call.hooks))
+        capabilities.check_call(self.model, len(state.rows))
         if resume and call.token_healing:
             raise ArgumentError("resume() continues tokens already generated, so there is no "
                                 "prompt boundary to heal; got token_healing=True: leave it out "

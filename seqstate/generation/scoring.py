@@ -6,7 +6,6 @@ from typing import Any
 
 from seqstate.call import Call
 from seqstate.constraints import compile as compiled
-from seqstate.engine.scoring import score, stored
 from seqstate.errors import ArgumentError
 from seqstate.generation import capabilities, prompts
 from seqstate.generation.generator import Generator
@@ -39,7 +38,8 @@ class ScoredChoice(Generator):
         prompts.requests(state, Call(max_tokens=max(map(len, self.option_ids))),
                          [None] * len(state.rows), constrained=False)
         # every option scored without storing its KV; then only the winners are stored
-        scored = score(self.model, [(r.tokens, o) for r in state.rows for o in self.option_ids])
+        scored = self.model.runner.score([(r.tokens, o) for r in state.rows
+                                          for o in self.option_ids])
         n = len(self.option_ids)
         best, totals = [], []
         for i in range(len(state.rows)):
@@ -48,8 +48,8 @@ class ScoredChoice(Generator):
                          else sum(s.logprobs)) for t, s in zip(self.texts, per)}
             best.append(max(range(n), key=lambda j: total[self.texts[j]]))
             totals.append((total, per))
-        kept = stored(self.model, [r.tokens + tuple(self.option_ids[j])
-                                   for r, j in zip(state.rows, best)])
+        kept = self.model.runner.stored([r.tokens + tuple(self.option_ids[j])
+                                         for r, j in zip(state.rows, best)])
         rows = []
         for row, j, (total, per), handle in zip(state.rows, best, totals, kept):
             lps = per[j].logprobs

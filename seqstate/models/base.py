@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from seqstate.backends.base import Backend, WorkCounters
+from seqstate.backends.base import Backend, StepBackend, WorkCounters
+from seqstate.engine.requests import RequestRunner
 from seqstate.engine.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -48,13 +49,13 @@ class Stats(WorkCounters):
 
 
 class BaseModel:
-    """A tokenizer, the engine behind it (``backend``), a compiled-constraint cache and a lock.
+    """A tokenizer, the engine behind it (``backend``), the runner its calls go through
+    (``runner``), a compiled-constraint cache and a lock.
 
     Generators and states use only what is here, so they run the same on every engine.
     Subclasses set ``backend`` and give ``context_length``.
     """
 
-    backend: Backend
     hf_model: Any = None
 
     def __init__(self, hf_tokenizer: Any, name: str) -> None:
@@ -62,7 +63,6 @@ class BaseModel:
         self.name = name
         self.lock = threading.RLock()                 # one engine step at a time per model
         self.constraint_cache: dict[Any, Any] = {}   # compiled constraints, keyed by spec
-        self.scheduler = Scheduler(self)              # concurrent calls share decode steps
 
     def __repr__(self) -> str:
         return (f"<seqstate {type(self).__name__} {self.name!r} engine={self.engine} "
@@ -84,6 +84,28 @@ class BaseModel:
     @property
     def context_length(self) -> int:
         raise NotImplementedError
+
+    @property
+    def backend(self) -> Backend:
+        """The engine behind this model.  Setting it (a subclass does, once, when the model is
+        built) picks the model's ``runner`` by the backend's kind: a
+        `seqstate.engine.scheduler.Scheduler` for a `StepBackend` (concurrent calls share
+        decode steps), a `seqstate.engine.requests.RequestRunner` for a server.  Both offer
+        ``run``, ``generate``, ``beam``, ``score``, ``next_logprobs`` and ``stored``.
+
+        Examples
+        --------
+        >>> import seqstate as ss
+        >>> type(ss.models.testing.tiny().runner).__name__
+        'Scheduler'
+        """
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: Backend) -> None:
+        self._backend = backend
+        self.runner: Scheduler | RequestRunner = (
+            Scheduler(self) if isinstance(backend, StepBackend) else RequestRunner(self))
 
     # -- tokenizer ----------------------------------------------------------------------------
     @cached_property
@@ -165,9 +187,14 @@ class BaseModel:
         >>> model.stats.kv_bytes_cached == before.kv_bytes_cached
         True
         """
-        with self.backend.store.freeze():
+        with self.backend.frozen():
             yield self
 
     def full_logits(self, ids: list[int]) -> Any:
-        """Logits (T, V) of a fresh evaluation of ``ids`` sharing no stored KV: the reference."""
+        """Logits (T, V) of a fresh evaluation of ``ids`` sharing no stored KV: the reference.
+        Refused (`seqstate.CapabilityError`) before any compute on an engine without
+        full-vocabulary logits (a server)."""
+        self.backend.capabilities.require(
+            "full_logits", "model.full_logits()", "use the hf or llama.cpp engine for it",
+            self.name)
         return self.backend.fresh_logits(ids)

@@ -1,6 +1,6 @@
 """The Hugging Face engine: the reference backend, exact against a fresh fp32 forward.
 
-`HFBackend` implements `seqstate.backends.base.Backend` over a transformers causal LM.  It owns
+`HFBackend` is a `seqstate.backends.base.StepBackend` over a transformers causal LM.  It owns
 the network (its geometry and the one forward every call goes through) and the radix store of
 torch KV segments (`seqstate.backends.hf.store`).  A call's rows are loaded into an in-place
 decode buffer (`HFBatch`), and finished rows write their new KV back as segments.
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from seqstate.backends.base import Backend, Capabilities, Scored, WorkCounters, openmp
+from seqstate.backends.base import Capabilities, Scored, StepBackend, WorkCounters, openmp
 from seqstate.backends.hf.batch import HFBatch
 from seqstate.backends.hf.guard import HookGuard
 from seqstate.backends.hf.store import DEFAULT_BUDGET_BYTES, KVStore
@@ -31,8 +31,9 @@ SERIAL_TOKENS = 4
 SERIAL_COLUMNS = 512
 
 
-class HFBackend(Backend):
-    """The engine behind a `seqstate.backends.hf.model.HFModel` (see ``seqstate.backends.base.Backend``).
+class HFBackend(StepBackend):
+    """The engine behind a `seqstate.backends.hf.model.HFModel` (see
+    ``seqstate.backends.base.StepBackend``).
 
     Parameters
     ----------
@@ -142,7 +143,7 @@ class HFBackend(Backend):
                         evictions=s.evictions, live_evictions=s.live_evictions,
                         segments=s.num_segments)
 
-    # -- the Backend protocol -----------------------------------------------------------------
+    # -- the StepBackend protocol -------------------------------------------------------------
     def batch(self) -> HFBatch:
         """A new, empty batch."""
         return HFBatch(self)

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from seqstate.backends.hf.buffer import KVBuffer
 from seqstate.backends.hf.cache import as_cache
-from seqstate.backends.hf.prefill import ensure_kv
+from seqstate.backends.hf.prefill import Network, ensure_kv
 from seqstate.backends.hf.store import KVHandle
-
-if TYPE_CHECKING:
-    from seqstate.backends.hf.backend import HFBackend
 
 __all__ = ["HFBatch"]
 
@@ -36,7 +32,7 @@ class HFBatch:
     stores the row's whole KV again from the buffer.
     """
 
-    def __init__(self, backend: HFBackend) -> None:
+    def __init__(self, backend: Network) -> None:
         self.backend = backend
         self.buf: KVBuffer | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.long)       # (rows, capacity)

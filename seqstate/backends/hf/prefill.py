@@ -9,25 +9,44 @@ mask with holes and explicit position ids (exact; see DESIGN.md facts).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from seqstate.backends.hf.buffer import KVBuffer
 from seqstate.backends.hf.cache import as_cache
-from seqstate.backends.hf.store import KVHandle
+from seqstate.backends.hf.guard import HookGuard
+from seqstate.backends.hf.store import KVHandle, KVStore
 from seqstate.backends.prefixes import SHARED_PREFIX_MIN, ensure_stored
 
-if TYPE_CHECKING:
-    from seqstate.backends.hf.backend import HFBackend
+__all__ = ["ensure_kv", "run_tails", "Network", "SHARED_PREFIX_MIN", "PREFILL_CHUNK",
+           "PREFILL_BATCH_TOKENS"]
 
-__all__ = ["ensure_kv", "run_tails", "SHARED_PREFIX_MIN", "PREFILL_CHUNK", "PREFILL_BATCH_TOKENS"]
+
+class Network(Protocol):
+    """What prefill and the batch use of their backend (`seqstate.backends.hf.backend.HFBackend`,
+    whose attributes document these): the network's geometry, its one forward, the store."""
+
+    store: KVStore
+    guard: HookGuard
+    pad_token_id: int
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    device: torch.device
+    dtype: torch.dtype
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor, cache: Any, *, logits: bool | str = True
+                ) -> torch.Tensor | None: ...
+
+    def count(self, **deltas: int) -> None: ...
 
 PREFILL_CHUNK = 1024          # longest tail run in one forward (longer tails run in chunks)
 PREFILL_BATCH_TOKENS = 8192   # rows x (past + tail) columns per forward
 
 
-def run_tails(backend: HFBackend, rows: Sequence[tuple[Sequence[int], KVHandle]]
+def run_tails(backend: Network, rows: Sequence[tuple[Sequence[int], KVHandle]]
               ) -> list[KVHandle]:
     """One batched forward over the next chunk of each row's uncached tail; stores the KV.
 
@@ -60,7 +79,7 @@ def run_tails(backend: HFBackend, rows: Sequence[tuple[Sequence[int], KVHandle]]
             for i, ((tokens, h), tail) in enumerate(zip(rows, tails))]
 
 
-def _run_packed(backend: HFBackend, todo: list[tuple[tuple[int, ...], KVHandle]]) -> list[KVHandle]:
+def _run_packed(backend: Network, todo: list[tuple[tuple[int, ...], KVHandle]]) -> list[KVHandle]:
     """Every uncached tail, packed into forwards of at most ``PREFILL_BATCH_TOKENS``; a
     handle per row of ``todo``, in its order."""
     order = sorted(range(len(todo)), key=lambda i: todo[i][1].length)  # less padding
@@ -79,7 +98,7 @@ def _run_packed(backend: HFBackend, todo: list[tuple[tuple[int, ...], KVHandle]]
     return [by_row[i] for i in range(len(todo))]
 
 
-def ensure_kv(backend: HFBackend, rows: Sequence[Sequence[int]]) -> list[KVHandle]:
+def ensure_kv(backend: Network, rows: Sequence[Sequence[int]]) -> list[KVHandle]:
     """Make sure ``row[:-1]`` of every row has KV in the store; return hard-pinned handles on it
     (see `seqstate.backends.prefixes.ensure_stored`).  A hooked model outside
     ``frozen_store()`` is refused first (`seqstate.ActivationHookError`)."""

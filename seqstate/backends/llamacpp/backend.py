@@ -1,6 +1,6 @@
 """The llama.cpp engine: KV lives in llama.cpp, shared token by token through its sequences.
 
-`LlamaCppBackend` implements `seqstate.backends.base.Backend` over
+`LlamaCppBackend` is a `seqstate.backends.base.StepBackend` over
 llama-cpp-python's low-level ctypes API.  The context uses a *unified* KV cache, where a cell
 carries a set of sequence ids and ``llama_memory_seq_cp`` only tags cells: forking a row is
 metadata, and a prefix shared by any number of rows and stored states occupies its cells once.
@@ -55,7 +55,7 @@ from pathlib import Path
 import llama_cpp as ll
 import torch
 
-from seqstate.backends.base import (Backend, CacheFullError, Capabilities, Scored,
+from seqstate.backends.base import (CacheFullError, Capabilities, Scored, StepBackend,
                                     WorkCounters, single_threaded_torch)
 from seqstate.backends.llamacpp.store import SeqHandle, SeqStore
 from seqstate.backends.prefixes import ensure_stored, trie_size
@@ -108,8 +108,12 @@ def _tails(rows: Sequence[Sequence[int]], starts: Sequence[int], seqs: Sequence[
     return tokens, positions, owners
 
 
-class LlamaCppBackend(Backend):
-    """The llama.cpp engine behind the generators (see ``seqstate.backends.base.Backend``).
+class LlamaCppBackend(StepBackend):
+    """The llama.cpp engine behind the generators (see ``seqstate.backends.base.StepBackend``).
+
+    Its batches (`LlamaCppBatch`) work through `ensure_kv`, `fork`, `evaluate` and ``llama``
+    (the native context: `seqstate.backends.llamacpp.native.Llama`, for its sequence
+    operations ``seq_cp``, ``seq_rm``, ``seq_pos_min``, ``seq_pos_max``).
 
     Parameters
     ----------
@@ -150,15 +154,15 @@ class LlamaCppBackend(Backend):
         check_gguf(path)
         threads = n_threads or usable_cores()
         self.n_threads = threads
-        self._llama = Llama(str(Path(path)), n_ctx, threads, n_seq_max, n_batch, quiet_logs)
-        self.n_ctx = ll.llama_n_ctx(self._llama.ctx)
+        self.llama = Llama(str(Path(path)), n_ctx, threads, n_seq_max, n_batch, quiet_logs)
+        self.n_ctx = ll.llama_n_ctx(self.llama.ctx)
         self.n_seq_max = n_seq_max
-        self.vocab_size = self._llama.vocab_size
-        self.context_length = ll.llama_model_n_ctx_train(self._llama.model)
-        self.bytes_per_cell = self._llama.bytes_per_cell()
+        self.vocab_size = self.llama.vocab_size
+        self.context_length = ll.llama_model_n_ctx_train(self.llama.model)
+        self.bytes_per_cell = self.llama.bytes_per_cell()
         hint = (f"create the backend with a larger n_ctx (now {self.n_ctx}) or n_seq_max "
                 f"(now {n_seq_max}, at most {MAX_SEQS})")
-        self.store = SeqStore(self._llama, range(RESERVED_SEQS, n_seq_max), hint)
+        self.store = SeqStore(self.llama, range(RESERVED_SEQS, n_seq_max), hint)
         self.capabilities = Capabilities(name="llama.cpp", full_logits=True, prefix_sharing=True,
                                          batching=True, exact=False,
                                          max_rows=n_seq_max - RESERVED_SEQS - 1,
@@ -189,18 +193,18 @@ class LlamaCppBackend(Backend):
         single_threaded_torch()
 
     # -- decoding -----------------------------------------------------------------------------
-    def _run(self, tokens: list[int], positions: list[int], seqs: list[int],
-             outputs: list[bool]) -> torch.Tensor | None:
+    def evaluate(self, tokens: list[int], positions: list[int], seqs: list[int],
+                 outputs: list[bool]) -> torch.Tensor | None:
         """``llama_decode`` in chunks of ``n_batch``, evicting stored paths when the
         cache has no free cells; logits (outputs, V) of the tokens flagged in ``outputs``."""
-        step = self._llama.n_batch
+        step = self.llama.n_batch
         parts = []
         for lo in range(0, len(tokens), step):
             hi = lo + step
             self._decode(tokens[lo:hi], positions[lo:hi], seqs[lo:hi], outputs[lo:hi])
             n_out = sum(outputs[lo:hi])
             if n_out:
-                parts.append(self._llama.logits(n_out))
+                parts.append(self.llama.logits(n_out))
         if not parts:
             return None
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -208,18 +212,18 @@ class LlamaCppBackend(Backend):
     def _decode(self, tokens: list[int], positions: list[int], seqs: list[int],
                 outputs: list[bool]) -> None:
         while True:
-            status = self._llama.decode(tokens, positions, seqs, outputs)
+            status = self.llama.decode(tokens, positions, seqs, outputs)
             if status == 0:
                 self.count(forward_calls=1)
                 return
             if status != 1:
-                meaning = self._llama.DECODE_STATUS.get(status, "not documented by llama.cpp")
+                meaning = self.llama.DECODE_STATUS.get(status, "not documented by llama.cpp")
                 raise EngineError(f"llama_decode failed with status {status}: {meaning}; "
                                   f"existing states are unchanged")
             # no free cells (llama.cpp left the cache as it was): free the garbage first, then
             # evict the least recently used stored paths, live states' too (their cells become
             # garbage), and try again
-            if self._llama.compact():
+            if self.llama.compact():
                 continue
             if not self._evict(len(tokens)):
                 raise CacheFullError(
@@ -242,10 +246,10 @@ class LlamaCppBackend(Backend):
         row sharing its stored cells); store them.  On failure the sequences go back."""
         targets, handles = [t for t, _ in todo], [h for _, h in todo]
         scratch = self.store.frozen           # read before the decode: what it computes is scratch
-        seqs = self._fork(handles)
+        seqs = self.fork(handles)
         try:
             tokens, positions, owners = _tails(targets, [h.length for h in handles], seqs)
-            self._run(tokens, positions, owners, [False] * len(tokens))
+            self.evaluate(tokens, positions, owners, [False] * len(tokens))
         except BaseException:
             self._release(seqs)
             raise
@@ -253,8 +257,9 @@ class LlamaCppBackend(Backend):
         return [self.store.insert(t, len(t), seq, scratch=scratch or h.node.scratch)
                 for t, h, seq in zip(targets, handles, seqs)]
 
-    def _fork(self, handles: Sequence[SeqHandle]) -> list[int]:
-        """A new sequence per handle, holding its KV (shared cells)."""
+    def fork(self, handles: Sequence[SeqHandle]) -> list[int]:
+        """A new sequence per handle, holding its KV (shared cells, not copies); the caller
+        owns them and gives each back to the store (``store.release``)."""
         seqs: list[int] = []
         try:
             for h in handles:
@@ -269,8 +274,10 @@ class LlamaCppBackend(Backend):
         for seq in seqs:
             self.store.release(seq)
 
-    def _ensure_kv(self, rows: Sequence[Sequence[int]], extra: int) -> list[SeqHandle]:
-        """Store every ``row[:-1]``; hard-pinned handles on them (see ``base.Batch.add``)."""
+    def ensure_kv(self, rows: Sequence[Sequence[int]], extra: int) -> list[SeqHandle]:
+        """Store every ``row[:-1]``, computing only uncached tails; hard-pinned handles on
+        them (see ``base.Batch.add``).  Refused before any compute where the rows, each
+        growing by ``extra``, cannot fit even an empty cache."""
         if not rows:
             return []
         if any(len(r) == 0 for r in rows):
@@ -322,19 +329,19 @@ class LlamaCppBackend(Backend):
                                        f"{len(tokens)}")
         with self.guarded():
             try:
-                return self._run(list(tokens), list(range(len(tokens))),
+                return self.evaluate(list(tokens), list(range(len(tokens))),
                                  [SCRATCH_SEQ] * len(tokens), [True] * len(tokens))
             finally:
                 # its cells are the topmost ones (nothing ran after it): freeing them leaves
                 # no free cell below a live one
-                self._llama.free_top(SCRATCH_SEQ)
+                self.llama.free_top(SCRATCH_SEQ)
 
     # -- stats and checks ---------------------------------------------------------------------
     @property
     def reference_options(self) -> dict[str, object]:
         """Keywords of ``llama_cpp.Llama`` that give llama-cpp-python's own evaluation this
         engine's attention and KV types (so their results can be compared token for token)."""
-        return {"flash_attn": True, "type_k": self._llama.k_type, "type_v": self._llama.v_type}
+        return {"flash_attn": True, "type_k": self.llama.k_type, "type_v": self.llama.v_type}
 
     def kv_stats(self) -> dict[str, int]:
         """Stored KV in bytes (cells x bytes per cell), like the HF engine's store counters."""
@@ -355,9 +362,9 @@ class LlamaCppBackend(Backend):
             if owned != set(self.store.lent()):
                 raise RuntimeError(f"sequences lent out {sorted(self.store.lent())} differ from "
                                    f"those open batches own {sorted(owned)}")
-            if self._llama.seq_pos_max(SCRATCH_SEQ) != -1:
+            if self.llama.seq_pos_max(SCRATCH_SEQ) != -1:
                 raise RuntimeError("the fresh_logits sequence still holds cells")
-            for seq, positions in self._llama.cell_positions().items():
+            for seq, positions in self.llama.cell_positions().items():
                 if seq != GARBAGE_SEQ and positions != sorted(set(positions)):
                     raise RuntimeError(f"the cells of sequence {seq} are out of position order "
                                        f"{positions}: its logits would differ from a fresh "

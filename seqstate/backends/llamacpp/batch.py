@@ -4,17 +4,35 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 
 from seqstate.backends.llamacpp.store import SeqHandle, SeqStore
 from seqstate.errors import ContextOverflowError
 
-if TYPE_CHECKING:
-    from seqstate.backends.llamacpp.backend import LlamaCppBackend
+__all__ = ["LlamaCppBatch", "Engine"]
 
-__all__ = ["LlamaCppBatch"]
+
+class Engine(Protocol):
+    """What a batch uses of its backend (`seqstate.backends.llamacpp.backend.LlamaCppBackend`,
+    whose methods document these)."""
+
+    store: SeqStore
+    llama: Any            # the native context: seq_cp, seq_rm, seq_pos_min, seq_pos_max
+    n_ctx: int
+
+    def guarded(self) -> AbstractContextManager[None]: ...
+
+    def ensure_kv(self, rows: Sequence[Sequence[int]], extra: int) -> list[SeqHandle]: ...
+
+    def fork(self, handles: Sequence[SeqHandle]) -> list[int]: ...
+
+    def evaluate(self, tokens: list[int], positions: list[int], seqs: list[int],
+                 outputs: list[bool]) -> torch.Tensor | None: ...
+
+    def count(self, **deltas: int) -> None: ...
 
 
 def _orphan(store: SeqStore, slots: dict[int, _Slot]) -> None:
@@ -53,10 +71,10 @@ class LlamaCppBatch:
     costs no sequence id, and a later fork of it costs none either until it is fed.
     """
 
-    def __init__(self, backend: LlamaCppBackend) -> None:
+    def __init__(self, backend: Engine) -> None:
         self._backend = backend
         self._store = backend.store
-        self._llama = backend._llama
+        self._llama = backend.llama
         self._slots: dict[int, _Slot] = {}
         self._next_id = 0
         weakref.finalize(self, _orphan, self._store, self._slots)
@@ -76,13 +94,13 @@ class LlamaCppBatch:
     def _own(self, s: _Slot) -> int:
         """The slot's own sequence, forking it from the borrowed handle first if needed."""
         if s.seq is None:
-            [s.seq], s.base = self._backend._fork([s.base]), None
+            [s.seq], s.base = self._backend.fork([s.base]), None
         return s.seq
 
     def add(self, rows: Sequence[Sequence[int]], extra: int) -> list[int]:
         """New slots holding each ``row[:-1]``'s KV, computing only uncached tails."""
         with self._backend.guarded():
-            handles = self._backend._ensure_kv(rows, extra)
+            handles = self._backend.ensure_kv(rows, extra)
             return [self._new(None, h, h.length, _scratch_from(h)) for h in handles]
 
     def forward(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
@@ -112,7 +130,7 @@ class LlamaCppBatch:
             tokens = [t for f in feeds for t in f]
             positions = [s.length + j for s, f in zip(rows, feeds) for j in range(len(f))]
             owners = [seq for seq, f in zip(seqs, feeds) for _ in f]
-            logits = self._backend._run(tokens, positions, owners, [True] * len(tokens))
+            logits = self._backend.evaluate(tokens, positions, owners, [True] * len(tokens))
             for s, f in zip(rows, feeds):
                 s.length += len(f)
             self._backend.count(decode_tokens=len(tokens))

@@ -1,18 +1,18 @@
 """The ``vllm`` engine: a vLLM server behind the backend protocol.
 
-The server has no per-step, full-vocabulary logits to give, so this backend declares
-``full_logits=False`` and ``steps=False``: the engine sends each call's rows as whole streamed
-requests (`complete`) instead of stepping a `Batch`, and seqstate's constraints run inside
-the server (the ``seqstate-vllm`` plugin, `seqstate.backends.vllm.vocab`).  KV lives in the
+The server has no per-step, full-vocabulary logits to give, so this backend is a
+`RequestBackend` with ``full_logits=False``: the engine sends each call's rows as whole
+streamed requests (`complete`) instead of stepping a `Batch`, and seqstate's constraints run
+inside the server (the ``seqstate-vllm`` plugin, `seqstate.backends.vllm.vocab`).  KV lives in the
 server's prefix cache; handles only remember lengths.  Scoring forces the continuation's tokens
-through the plugin and reads their raw log-probs back, keeping the prefix cache.
+through the plugin and reads their raw log-probs back, keeping the prefix cache.  Requests
+arrive engine-neutral (a `Sampler`, the constraint spec); `sampling_of` and `complete` write
+them in vLLM's names.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,11 +20,14 @@ from typing import Any
 
 import torch
 
-from seqstate.backends.base import Backend, Capabilities, Scored, WorkCounters
+from seqstate.backends.base import Capabilities, RequestBackend, Scored, Token, WorkCounters
 from seqstate.backends.vllm.client import Client
+from seqstate.backends.vllm.wire import vllm_xargs
 from seqstate.errors import CapabilityError, EngineError
+from seqstate.sampling.params import Greedy, Multinomial, Sampler
 
-__all__ = ["VllmBackend", "RemoteHandle", "Token", "SCORE_CONCURRENCY", "MAX_LOGPROB_IDS"]
+__all__ = ["VllmBackend", "RemoteHandle", "Token", "sampling_of", "SCORE_CONCURRENCY",
+           "MAX_LOGPROB_IDS"]
 
 SCORE_CONCURRENCY = 32       # scoring requests in flight at once (vLLM batches them)
 MAX_LOGPROB_IDS = 128        # vLLM's bound on one request's ``logprob_token_ids``
@@ -40,30 +43,24 @@ class RemoteHandle:
         return RemoteHandle(min(n, self.length))
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Token:
-    """One token of a streamed request: which of its ``n`` choices, the token, its raw
-    log-prob, whether it is the most likely token there, and the choice's finish reason
-    (set on its last token, or on an empty final event: ``token`` None); ``top``: the most
-    likely tokens there with their raw log-probs, best first, when the request asked."""
-
-    index: int
-    token: int | None
-    logprob: float | None
-    argmax: bool
-    finish: str | None = None
-    top: tuple[tuple[int, float], ...] = ()
-
-
-class _NoStore:
-    """Nothing is stored on this side: a frozen store freezes nothing."""
-
-    @contextlib.contextmanager
-    def freeze(self) -> Iterator[None]:
-        yield
+def sampling_of(sampler: Sampler) -> dict[str, Any]:
+    """The sampler as vLLM's sampling parameters; `CapabilityError` for one it has not."""
+    if type(sampler) is Greedy:
+        return {"temperature": 0.0}
+    if type(sampler) is Multinomial:
+        out: dict[str, Any] = {"temperature": sampler.temperature,
+                               "repetition_penalty": sampler.repetition_penalty,
+                               "presence_penalty": sampler.presence_penalty,
+                               "frequency_penalty": sampler.frequency_penalty}
+        cuts = {"top_k": sampler.top_k, "top_p": sampler.top_p, "min_p": sampler.min_p}
+        return {**out, **{name: value for name, value in cuts.items() if value is not None}}
+    raise CapabilityError(
+        f"the sampler {sampler!r} runs on next-token logits, which the server does not send; "
+        "use ss.greedy() or ss.multinomial(...) there, or the hf or llama.cpp engine",
+        "full_logits", "vllm")
 
 
-class VllmBackend(Backend):
+class VllmBackend(RequestBackend):
     """Requests to one vLLM server that runs seqstate's plugin.
 
     Parameters
@@ -81,7 +78,7 @@ class VllmBackend(Backend):
     """
 
     capabilities = Capabilities(name="vllm", full_logits=False, prefix_sharing=True,
-                                batching=True, exact=False, steps=False)
+                                batching=True, exact=False)
 
     def __init__(self, client: Client, served: str, vocab_size: int, fingerprint: str,
                  context_length: int) -> None:
@@ -91,23 +88,29 @@ class VllmBackend(Backend):
         self.fingerprint = fingerprint
         self.context_length = context_length
         self.counters = WorkCounters.zeros()
-        self.store = _NoStore()
         self._count_lock = threading.Lock()
 
     # -- whole requests ------------------------------------------------------------------------
-    def complete(self, tokens: Sequence[int], *, max_tokens: int, sampling: dict[str, Any],
-                 spec: dict[str, Any] | None = None, n: int = 1, ignore_eos: bool = False,
-                 top: int = 0) -> Iterator[Token]:
-        """Stream one request: ``n`` continuations of ``tokens`` sampled with ``sampling``
-        (vLLM's names: temperature, top_p, seed, ...), constrained by the plugin ``spec``,
-        each token with its ``top`` most likely alternatives when ``top`` > 0.  Closing the
-        iterator early aborts the request on the server."""
+    def check_sampler(self, sampler: Sampler) -> None:
+        """`CapabilityError` for a sampler vLLM has not (`sampling_of`)."""
+        sampling_of(sampler)
+
+    def complete(self, tokens: Sequence[int], *, max_tokens: int, sampler: Sampler,
+                 seed: int | None = None, spec: dict[str, Any] | None = None, n: int = 1,
+                 ignore_eos: bool = False, top: int = 0) -> Iterator[Token]:
+        """Stream one request: ``n`` continuations of ``tokens`` sampled with ``sampler``
+        (as vLLM's sampling parameters, `sampling_of`, with ``seed``), constrained by the
+        plugin ``spec``, each token with its ``top`` most likely alternatives when ``top``
+        > 0.  Closing the iterator early aborts the request on the server."""
+        sampling = sampling_of(sampler)
+        if seed is not None:
+            sampling["seed"] = seed
         body: dict[str, Any] = {
             "model": self.served, "prompt": list(tokens), "max_tokens": max_tokens, "n": n,
             "logprobs": max(1, top), "return_token_ids": True, "return_tokens_as_token_ids": True,
             "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos, **sampling}
         if spec is not None:
-            body["vllm_xargs"] = {"seqstate": json.dumps({"vocab": self.fingerprint, **spec})}
+            body["vllm_xargs"] = vllm_xargs(self.fingerprint, spec)
         for event in self.client.stream("/v1/completions", body):
             if event.get("usage"):
                 self._count_usage(event["usage"])
@@ -192,8 +195,7 @@ class VllmBackend(Backend):
 
     def _forced(self, pair: tuple[tuple[int, ...], tuple[int, ...]]) -> Scored:
         prefix, continuation = pair
-        got = [t for t in self.complete(prefix, max_tokens=len(continuation),
-                                        sampling={"temperature": 0.0},
+        got = [t for t in self.complete(prefix, max_tokens=len(continuation), sampler=Greedy(),
                                         spec={"force": list(continuation)}, ignore_eos=True)
                if t.token is not None]
         if [t.token for t in got] != list(continuation):
@@ -201,23 +203,6 @@ class VllmBackend(Backend):
                               "plugin loaded (--logits-processors seqstate_vllm:"
                               "SeqStateLogitsProcessor)?")
         return Scored(tuple(t.logprob for t in got), tuple(t.argmax for t in got))
-
-    # -- what a server cannot do ---------------------------------------------------------------
-    def _refuse(self, feature: str) -> CapabilityError:
-        return CapabilityError(
-            f"the 'vllm' engine has no full-vocabulary logits, which {feature} needs; use the "
-            "hf or llama.cpp engine for it", "full_logits", "vllm")
-
-    def batch(self):
-        raise self._refuse("stepping rows one token at a time")
-
-    def fresh_logits(self, tokens: Sequence[int]):
-        raise self._refuse("model.full_logits()")
-
-    def kv_stats(self) -> dict[str, int]:
-        """The KV is the server's: nothing is held or cached on this side."""
-        return {"kv_bytes_held": 0, "kv_bytes_cached": 0, "evictions": 0, "live_evictions": 0,
-                "segments": 0}
 
     def close(self) -> None:
         self.client.close()
@@ -248,6 +233,14 @@ def _tokens(choice: dict[str, Any], keep: int = 0) -> Iterator[Token]:
             ((int(key.rpartition(":")[2]), lp) for key, lp in top.items()),
             key=lambda item: item[1], reverse=True)[:keep])
         yield Token(index, token, logprob, logprob is not None and logprob >= best,
-                    finish if last else None, alternatives)
+                    _finish(finish) if last else None, alternatives)
     if not ids and finish is not None:
-        yield Token(index, None, None, False, finish)
+        yield Token(index, None, None, False, _finish(finish))
+
+
+def _finish(reason: str | None) -> str | None:
+    """vLLM's finish reason as `Token.finish`: ``"length"`` is ``"max_tokens"``, any other
+    (an EOS token, the plugin ending a constraint) ``"stop"``."""
+    if reason is None:
+        return None
+    return "max_tokens" if reason == "length" else "stop"
