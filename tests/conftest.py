@@ -56,10 +56,105 @@ def request_llamacpp() -> None:
                     allow_module_level=True)
 
 
-@pytest.fixture(params=["hf", "llama.cpp"])
+# each engine's model for the `engine` fixture: the fixture that builds it
+ENGINE_MODELS = {"hf": "tiny", "llama.cpp": "llama", "vllm": "vllm"}
+
+
+@pytest.fixture(params=["hf", pytest.param("llama.cpp", marks=pytest.mark.llamacpp),
+                        pytest.param("vllm", marks=pytest.mark.vllm)])
 def engine(request):
-    """Each engine's model: the tiny HF model (exact) and the GGUF on llama.cpp."""
-    return request.getfixturevalue("tiny" if request.param == "hf" else "llama")
+    """Each engine's model: the tiny HF model (exact), the default model's GGUF on llama.cpp,
+    and the default model (fp32) on a vLLM server.  A test of a feature that an engine lacks
+    asks `needs` first; its oracle comes from `reference`."""
+    return request.getfixturevalue(ENGINE_MODELS[request.param])
+
+
+@pytest.fixture
+def reference(engine, request):
+    """The model whose fresh evaluation is ``engine``'s oracle: the engine itself where it has
+    full-vocabulary logits (hf: a fresh forward; llama.cpp: a fresh evaluation of the same
+    tokens), else the HF engine on the server's weights (vllm serves the default model in
+    fp32, so its greedy tokens are the HF engine's and its log-probs within that model's
+    measured noise)."""
+    if engine.backend.capabilities.full_logits:
+        return engine
+    return request.getfixturevalue("real")
+
+
+def needs(model, capability: str, why: str) -> None:
+    """Skip unless ``model``'s engine declares ``capability`` (a field of its backend's
+    `Capabilities`); the reason names the engine, the capability and why the test needs it."""
+    if not getattr(model.backend.capabilities, capability):
+        pytest.skip(f"the {model.engine} engine lacks {capability}: {why}")
+
+
+def prefill_slack(model) -> int:
+    """Tokens a continuation may prefill beyond those that have no KV yet: none where the
+    engine shares KV token by token (hf, llama.cpp); a vLLM server's prefix cache hits whole
+    blocks only, so up to one block of the fixture's server (its ``--block-size``)."""
+    if model.engine != "vllm":
+        return 0
+    from seqstate.backends.vllm.server import FLAGS
+
+    return int(FLAGS[FLAGS.index("--block-size") + 1])
+
+
+def hf_generate(model, ids: list[int], n: int) -> list[int]:
+    """Hugging Face ``generate``'s greedy tokens after ``ids`` on ``model``'s weights, up to
+    ``n``, without the EOS that ends them (a state does not keep it)."""
+    out = model.hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                  pad_token_id=model.pad_token_id)[0].tolist()[len(ids):]
+    ends = [i for i, t in enumerate(out) if t in model.eos_token_ids]
+    return out[: ends[0]] if ends else out
+
+
+def assert_greedy(reference, state) -> None:
+    """Each row's tokens of the last call are greedy for ``reference``: HF ``generate``'s
+    tokens where it is an HF model, else (llama.cpp) each token the argmax of a fresh
+    evaluation of the row, within its declared NOISE_FLOOR."""
+    for row in state.rows:
+        call = row.spans[-1]
+        tokens, start = list(row.tokens[:call.end]), call.start
+        if reference.hf_model is not None:
+            assert tokens[start:] == hf_generate(reference, tokens[:start], len(tokens) - start)
+            continue
+        from seqstate.backends.llamacpp.backend import NOISE_FLOOR
+
+        logits = reference.full_logits(tokens).float()[start - 1: -1]           # (new, V)
+        picked = logits.gather(1, torch.tensor(tokens[start:])[:, None])[:, 0]
+        assert (picked >= logits.max(-1).values - NOISE_FLOOR).all(), tokens[start:]
+
+
+def verify_store(model) -> None:
+    """The engine's local KV store checks out; a server keeps its KV (and its checks) itself."""
+    check = getattr(getattr(model.backend, "store", None), "verify", None)
+    if check is not None:
+        check()
+
+
+def fresh_logprobs(reference, tokens) -> torch.Tensor:
+    """(T, V) log-softmax of ``reference``'s fresh evaluation of ``tokens`` (no stored KV)."""
+    return reference.full_logits(list(tokens)).float().log_softmax(-1)
+
+
+def assert_fresh(model, reference, state) -> None:
+    """Next-token log-probs through ``state``'s KV on ``model`` equal ``reference``'s fresh
+    evaluation of each row's tokens (DESIGN.md's 1e-3 caps the derived bound)."""
+    got = state.next_logprobs().flatten(0, 1)                      # (rows, V), batch-major
+    for r, g in zip((r.tokens for r in state.rows), got):
+        assert_close(g, fresh_logprobs(reference, r)[-1], reference,
+                     "logits through stored KV vs a fresh evaluation", cap=1e-3)
+
+
+def assert_same_rows(got, want) -> None:
+    """Equal token ids, and the generated tokens' log-probs within the noise of ``want``'s
+    model (the reference engine: its bound)."""
+    assert got.token_ids == want.token_ids
+    for a, b in zip(got.rows, want.rows):
+        pairs = [(x, y) for x, y in zip(a.logprobs, b.logprobs)
+                 if x is not None and y is not None]
+        if pairs:
+            assert_close(*zip(*pairs), want.model, "generated log-probs vs the reference's")
 
 
 def collect(stream):

@@ -16,7 +16,7 @@ from seqstate.engine.rows import RowRequest
 from seqstate.engine.scoring import BackendJob
 from seqstate.hooks import Rollback
 
-from conftest import assert_close
+from conftest import assert_close, verify_store
 
 TOPICS = ["rain", "cats", "tea", "maps", "bees", "jazz", "salt", "wind"]
 
@@ -44,7 +44,7 @@ def test_concurrent_programs_equal_sequential(engine, seed):
     assert together == alone
     # the calls really shared forwards: fewer forwards than decode tokens
     assert used.forward_calls < used.decode_tokens
-    engine.store.verify()
+    verify_store(engine)
 
 
 def test_a_failing_call_fails_alone(tiny):

@@ -10,21 +10,22 @@ import seqstate as ss
 from seqstate.backends import scoring
 from seqstate.errors import ArgumentError, BatchMismatch, ContextOverflowError
 
-from conftest import assert_close
+from conftest import assert_close, fresh_logprobs
 
 
-def _check(model, state, scores):
-    """Every token's log-prob and greedy flag against a fresh evaluation of row + option."""
-    start = model.start_token_ids
+def _check(reference, state, scores):
+    """Every token's log-prob and greedy flag against ``reference``'s fresh evaluation of
+    row + option."""
+    start = state.model.start_token_ids
     for b in range(state.n_batch):
         for s in range(state.n_samples):
             row = list(state.row(b, s).tokens) or list(start)
             for c, lps, greedy in zip(scores.tokens[b][s], scores.logprobs[b][s],
                                       scores.greedy[b][s]):
-                fresh = model.full_logits(row + list(c)).float().log_softmax(-1)
+                fresh = fresh_logprobs(reference, row + list(c))
                 at = torch.arange(len(row) - 1, len(row) - 1 + len(c))
                 want = fresh[at, torch.tensor(c)]
-                assert_close(lps, want, model, "scored log-probs vs a fresh evaluation")
+                assert_close(lps, want, reference, "scored log-probs vs a fresh evaluation")
                 assert greedy == bool((fresh[at].argmax(-1) == torch.tensor(c)).all())
 
 
@@ -42,21 +43,21 @@ def _states(model):
 
 
 @pytest.mark.parametrize("kind", ["generated", "from_tokens", "sliced", "forked", "ragged"])
-def test_score_equals_a_fresh_evaluation(engine, kind):
+def test_score_equals_a_fresh_evaluation(engine, reference, kind):
     state = _states(engine)[kind]
     ids = engine.encode(" and then some more words")[:6]
     shared = [" yes", " no, never", ids, engine.encode(" x")[:1], " a b c d e f g h"]
-    _check(engine, state, state.score(shared))
+    _check(reference, state, state.score(shared))
 
 
-def test_score_one_list_per_batch_item(engine):
+def test_score_one_list_per_batch_item(engine, reference):
     state = _states(engine)["ragged"]
     per_item = [[" there", [engine.encode(" you")[0]]], [" A", " B", " C and D"]]
     scores = state.score(per_item)
     assert [len(x[0]) for x in scores.tokens] == [2, 3]
     assert scores.sums.shape == (2, 1, 3) and scores.sums[0, 0, 2].isnan()
     assert not scores.sums[1].isnan().any()
-    _check(engine, state, scores)
+    _check(reference, state, scores)
     means = scores.means[1, 0]          # the same floats averaged in another order: ~1 ulp
     assert means.tolist() == pytest.approx([sum(x) / len(x) for x in scores.logprobs[1][0]])
     assert scores.best().tolist() == [[int(scores.sums[0, 0, :2].argmax())],
@@ -82,18 +83,18 @@ def test_chunks_on_llama_cpp(llama, monkeypatch):
     llama.backend.verify()
 
 
-def test_options_sharing_a_run_fork_on_every_engine(engine, monkeypatch):
-    """The trie walk (a shared run fed once, forks where options part), in chunks, on both
-    engines: exact against each engine's fresh evaluation; llama.cpp's sequences check out."""
+def test_options_sharing_a_run_fork_on_every_engine(engine, reference, monkeypatch):
+    """The trie walk (a shared run fed once, forks where options part), in chunks, on every
+    engine: exact against each engine's reference; llama.cpp's sequences check out."""
     monkeypatch.setattr(scoring, "CHUNK", 2)
     state = ss.from_tokens(engine, [engine.encode("The tower is in"), engine.encode("It is")])
-    _check(engine, state, state.score([" the city of Paris", " the city of Lyon, France",
+    _check(reference, state, state.score([" the city of Paris", " the city of Lyon, France",
                                        " the city", " a town"]))
     if engine.engine == "llama.cpp":
         engine.backend.verify()
 
 
-def test_next_logprobs_is_exact_and_independent_of_other_rows(engine):
+def test_next_logprobs_is_exact_and_independent_of_other_rows(engine, reference):
     rng = random.Random(0)
     words = engine.encode(" ".join(["alpha", "beta", "gamma", "delta", "tea", "sky"] * 10))
     rows = [words[: rng.randint(1, 40)] for _ in range(49)] + [[]]
@@ -102,9 +103,9 @@ def test_next_logprobs_is_exact_and_independent_of_other_rows(engine):
     for row, got in zip(rows, lp[:, 0]):
         tokens = row or engine.start_token_ids
         alone = ss.from_tokens(engine, [tokens]).next_logprobs()[0, 0]
-        assert_close(got, alone, engine, "next_logprobs: a row among 50 vs alone")
-        fresh = engine.full_logits(tokens)[-1].float().log_softmax(-1)
-        assert_close(got, fresh, engine, "next_logprobs vs a fresh evaluation")
+        assert_close(got, alone, reference, "next_logprobs: a row among 50 vs alone")
+        assert_close(got, fresh_logprobs(reference, tokens)[-1], reference,
+                     "next_logprobs vs a fresh evaluation")
 
 
 def test_branching_a_prefix_and_comparing_next_token_distributions(tiny):

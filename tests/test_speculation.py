@@ -1,9 +1,9 @@
-"""Constraint-guided speculation: drafts of forced text are verified, never forced (issue 16)."""
+"""Constraint-guided speculation: drafts of forced text are verified, never forced."""
 
 import collections
 
 import pytest
-from conftest import assert_close
+from conftest import assert_close, needs, verify_store
 from pydantic import BaseModel
 
 import seqstate as ss
@@ -41,6 +41,8 @@ def both(gen, prompt, **kw):
 
 @pytest.mark.parametrize("kind", ["json", "regex", "choice"])
 def test_greedy_output_and_logprobs_are_unchanged(engine, kind):
+    needs(engine, "full_logits", "seqstate verifies its drafts against the logits of every "
+          "drafted position; a server drafts on its own")
     gen = {"json": lambda m: ss.json(m, Customer),
            "regex": lambda m: ss.regex(m, r"The answer is (yes|no), because [a-z]{3,8}\."),
            "choice": lambda m: ss.choice(m, ["the cat sat on the mat", "the cat ran away"])}[kind]
@@ -51,7 +53,7 @@ def test_greedy_output_and_logprobs_are_unchanged(engine, kind):
     assert all((a is None) == (b is None) for a, b in pairs)
     assert_close([a for a, b in pairs if a is not None], [b for a, b in pairs if b is not None],
                  engine, "log-probs with and without drafts")
-    engine.store.verify()
+    verify_store(engine)
 
 
 def test_speculate_false_drafts_nothing(tiny):
@@ -64,6 +66,8 @@ def test_speculate_false_drafts_nothing(tiny):
 def test_a_rejected_draft_drops_its_kv(engine):
     """A hook replaces the first drafted token with another allowed spelling: the rest of the
     draft is rejected, and every stored log-prob still equals a fresh evaluation."""
+    needs(engine, "full_logits", "seqstate verifies its drafts against the logits of every "
+          "drafted position; a server drafts on its own")
     gen = ss.choice(engine, ["hello world, how are you"])
     first = engine.encode("hello world, how are you")[0]
     spelled = engine.encode("h")[0]
@@ -82,7 +86,7 @@ def test_a_rejected_draft_drops_its_kv(engine):
     for pos in range(start, len(ids)):
         assert_close(s.logprobs[0][0][pos], fresh[pos - 1, ids[pos]], engine,
                      "a log-prob after a rejected draft", cap=1e-3)
-    engine.store.verify()
+    verify_store(engine)
 
 
 def test_hooks_see_every_accepted_token_in_order_and_rollback_inside_a_draft(tiny):
