@@ -147,3 +147,8 @@ def test_lm_evals_hf_backend_groups_rows_as_the_lm_eval_page_says(fresh_tiny):
     assert forwarded(one_token) == 1                        # one row for the question
     assert forwarded([" dark red", " a table", " seven apples"]) == 3      # one per answer
     assert forwarded([" the moon", " the sun"]) == 1        # they differ only in the last token
+
+
+def test_reliability_page_describes_the_scheduler():
+    page = (ROOT / "docs/concepts/reliability.md").read_text()
+    assert "serialised" not in page and "one worker thread" in page

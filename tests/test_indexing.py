@@ -2,6 +2,7 @@
 
 import pytest
 
+import seqstate as ss
 from seqstate.errors import SlicingError
 from seqstate.indexing import is_prefix, normalize, token_positions
 
@@ -54,3 +55,23 @@ def test_token_positions_and_prefix():
     assert not is_prefix(slice(1, 3)) and not is_prefix(slice(None, None, 2)) and not is_prefix(2)
     with pytest.raises(SlicingError, match="out of range for a row of 5"):
         token_positions(5, 5, (1, 1))
+
+
+# -- named-axis accessors on states ----------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 4), (3, 1), (2, 3)])
+def test_accessors_mean_the_same_on_every_shape(tiny, shape):
+    b, k = shape
+    base = ss.from_tokens(tiny, [[1, 2, 3, 4, 5, 6][: 3 + i] for i in range(b)])
+    s = ss.text(tiny)(base, num_samples=k, max_tokens=2, sampler=ss.multinomial(), seed=0) \
+        if k > 1 else base
+    assert s.shape == shape and s.batch == b and s.samples == k
+    assert s.tokens[:-3] == s[:, :, :-3] and s.tokens[1] == s[:, :, 1]
+    assert s.samples[-1:] == s[:, -1:, :] and s.batch[0] == s[0, :, :]
+    assert s.batch[0].shape == (1, k) and s.samples[0].shape == (b, 1)
+    if shape == (1, 4):
+        # the shortcut rule's trap: on 1xS a single key indexes samples, not tokens
+        assert s[:-3].shape == (1, 1) and s.tokens[:-3].shape == (1, 4)
+    with pytest.raises(ss.SlicingError):
+        s.tokens.slice(slice(1, None), strict=True)
+    assert repr(s.batch) == str(b) and f"{s.samples}" == str(k)

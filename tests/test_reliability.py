@@ -2,7 +2,6 @@
 
 import gc
 import pathlib
-import re
 import random
 import resource
 import threading
@@ -177,25 +176,6 @@ BAD_INPUTS = [
      lambda m: ss.run_batch(lambda x: x, [1], return_exceptions="no"), ss.ArgumentError),
     ("float bound", lambda m: ss.from_tokens(m, [[1, 2]])[..., :2.0], ss.SlicingError),
 ]
-
-FOREIGN_KEYWORDS = [("temperature", 0.7, "ss.multinomial(temperature"),
-                    ("max_new_tokens", 5, "max_tokens="), ("stop", "\n", "stop_at="),
-                    ("top_p", 0.9, "ss.multinomial(top_p"), ("num_return_sequences", 2, "num_samples=")]
-
-
-@pytest.mark.parametrize("name,value,spelling", FOREIGN_KEYWORDS, ids=[k[0] for k in FOREIGN_KEYWORDS])
-def test_keywords_from_other_libraries_name_the_seqstate_spelling(fresh_tiny, name, value, spelling):
-    with pytest.raises(ss.ArgumentError, match=re.escape(spelling)):
-        ss.text(fresh_tiny)("x", **{name: value})
-    assert fresh_tiny.stats.forward_calls == 0
-
-
-def test_greedy_with_seed_or_samples_warns(tiny):
-    with pytest.warns(UserWarning, match="greedy"):
-        ss.text(tiny)("x", max_tokens=1, seed=1)
-    with pytest.warns(UserWarning, match="identical copies"):
-        ss.text(tiny)("x", max_tokens=1, num_samples=2)
-
 
 def test_empty_state_continues_from_the_start_token(tiny):
     text = ss.text(tiny)
