@@ -2,13 +2,15 @@
 
 A failure raised by one call's own code fails that call alone; one no call can be blamed for
 (the batched forward) fails the calls in the batch; in every case each caller returns or
-raises within seconds and the model gives the same results afterwards as a fresh one.  A
+raises within seconds and the model gives the same results afterwards as a fresh one; on
+every engine, a fault inside a call leaves its input state as it was.  A
 cache that fills up mid-decode pauses the newest calls and resumes them when others finish,
 with the results they would have had alone.
 """
 
 from __future__ import annotations
 
+import gc
 import re
 import threading
 import time
@@ -19,7 +21,7 @@ import seqstate as ss
 from seqstate.backends.base import CacheFullError
 from seqstate.engine.decode import DecodeJob
 from seqstate.engine.scheduler import POLL_SECONDS
-from conftest import request_llamacpp
+from conftest import request_llamacpp, verify_store
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -282,6 +284,45 @@ def test_a_worker_that_breaks_fails_what_it_holds_and_the_next_call_starts_a_new
     monkeypatch.undo()
     assert ss.text(m)("Held 1", max_tokens=4).token_ids == _fresh("Held 1", max_tokens=4)
     m.store.verify()
+
+
+# -- on every engine: a fault inside a call loses no state and leaves the model working --------
+
+@pytest.mark.parametrize("fault", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_faults_mid_generation_lose_nothing(engine, fault):
+    gen = ss.text(engine)
+    original = gen("A state worth keeping", max_tokens=4)
+    snapshot = (original.token_ids, original.logprobs)
+    expected = gen(original, max_tokens=6)
+
+    def explode(event):
+        if len(event.generated) == 3:
+            raise fault
+        return None
+
+    with pytest.raises(type(fault)):
+        gen(original, max_tokens=6, hooks=[explode])
+    assert (original.token_ids, original.logprobs) == snapshot
+    verify_store(engine)
+    assert gen(original, max_tokens=6) == expected          # continues exactly as before
+    # the model lock was released: another thread can generate
+    done = []
+    t = threading.Thread(target=lambda: done.append(gen("after", max_tokens=1)))
+    t.start()
+    t.join(timeout=60)
+    assert done
+
+
+def test_interrupted_stream_releases_the_model(engine):
+    stream = ss.text(engine).stream("abc", max_tokens=20)
+    next(stream)
+    del stream
+    gc.collect()
+    done = []
+    t = threading.Thread(target=lambda: done.append(ss.text(engine)("x", max_tokens=1)))
+    t.start()
+    t.join(timeout=60)
+    assert done
 
 
 # -- B. a full cache pauses calls ---------------------------------------------------------------

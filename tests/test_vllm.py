@@ -329,12 +329,6 @@ def test_a_server_that_dies_mid_call_is_a_typed_error_and_loses_nothing(vllm_ser
         httpd.shutdown()
 
 
-def test_a_generator_call_after_a_failure_still_works(vllm):
-    with pytest.raises(ss.ArgumentError):
-        ss.text(vllm)("x", max_tokens=0)
-    assert ss.text(vllm)("The capital of France is", max_tokens=3).finish_reason == "max_tokens"
-
-
 def test_stats_and_engine_name(vllm):
     assert vllm.engine == "vllm"
     assert not vllm.backend.capabilities.full_logits
