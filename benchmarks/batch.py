@@ -1,4 +1,4 @@
-"""Many programs at once (issue 13): run_batch vs the same programs one after another.
+"""Many programs at once: run_batch vs the same programs one after another.
 
 16 instances of a 3-call chained program (free text, a choice, a regex; ~20 tokens per call)
 on each engine, and outlines 1.x running the same program over the same inputs (it has no

@@ -1,4 +1,4 @@
-"""Beam search over a 3-call program vs HF generate(num_beams=4) per call (issue 6)."""
+"""Beam search over a 3-call program vs HF generate(num_beams=4) per call."""
 
 from __future__ import annotations
 

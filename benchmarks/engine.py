@@ -1,4 +1,4 @@
-"""Decode speed vs a hand-written HF loop and HF generate; the fork case (issue 3)."""
+"""Decode speed vs a hand-written HF loop and HF generate; the fork case."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The llama.cpp engine vs llama-cpp-python's own generate and vs the HF engine (issue 12),
-and the KV configurations llama.cpp offers, for speed and batch independence (issue 23).
+"""The llama.cpp engine vs llama-cpp-python's own generate and vs the HF engine, and the KV
+configurations llama.cpp offers, for speed and batch independence.
 
 Greedy decode at batch 1 on the shipped GGUF; the fork case (8 samples x 32 tokens from a
 512-token prompt) and the chained program (6 steps x 12 tokens) on both engines.

@@ -1,4 +1,4 @@
-"""One-time costs on a 262k vocabulary (Gemma 3 270M, issue 23), each in a fresh process.
+"""One-time costs on a 262k vocabulary (Gemma 3 270M), each in a fresh process.
 
 Reported: converting the GGUF for the HF engine (an empty cache), loading it from the cache,
 the first and second text calls (20 tokens), the first JSON build (2 fields) and the first

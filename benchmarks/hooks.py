@@ -1,4 +1,4 @@
-"""Banned phrases: 1,000 phrases vs unconstrained generation (issue 5)."""
+"""Banned phrases: 1,000 phrases vs unconstrained generation."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""JSON schemas (issue 14): JSONSchemaBench coverage, compile time, validity, decode speed."""
+"""JSON schemas: JSONSchemaBench coverage, compile time, validity, decode speed."""
 
 from __future__ import annotations
 

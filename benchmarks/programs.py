@@ -1,4 +1,4 @@
-"""Chained programs vs outlines re-prompting and guidance; constrained vs free decode (issue 4)."""
+"""Chained programs vs outlines re-prompting and guidance; constrained vs free decode."""
 
 from __future__ import annotations
 

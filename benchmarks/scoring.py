@@ -1,4 +1,4 @@
-"""Scoring on shared prefixes (issue 25): ARC-Easy 5-shot through lm-eval.
+"""Scoring on shared prefixes: ARC-Easy 5-shot through lm-eval.
 
 The same lm-eval requests (``../shared/data/arc_easy``, ``rc_5shot`` and ``mc_5shot``) through
 lm-eval's own HF backend (``HFLM``: padded batches, its one-token logits cache on, batch
@@ -274,7 +274,8 @@ def variants_rows(model, prefix_tokens: int) -> list[tuple[str, float, str]]:
 
 
 def variants_main(model) -> None:
-    """``make bench`` suite ``variants``: the TransformerLens-style case of issue 25."""
+    """``make bench`` suite ``variants``: the TransformerLens-style case: many short
+    variants behind one shared prefix, their next-token log-probs and a 2-answer score."""
     from benchmarks.harness import report
 
     for prefix_tokens in (148, 1000):

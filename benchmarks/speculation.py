@@ -1,4 +1,4 @@
-"""Constraint-guided speculation (issue 16): JSON with and without it, and vs free text.
+"""Constraint-guided speculation: JSON with and without it, and vs free text.
 
 A pydantic model with six descriptively named fields on the default model: wall time of the
 same greedy call with ``speculate=True`` and ``False`` (the output is identical), and

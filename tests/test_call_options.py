@@ -62,11 +62,14 @@ def test_call_options_type_the_same_keywords_as_call():
 
 FOREIGN_KEYWORDS = [("temperature", 0.7, "ss.multinomial(temperature"),
                     ("max_new_tokens", 5, "max_tokens="), ("stop", "\n", "stop_at="),
-                    ("top_p", 0.9, "ss.multinomial(top_p"), ("num_return_sequences", 2, "num_samples=")]
+                    ("top_p", 0.9, "ss.multinomial(top_p"),
+                    ("num_return_sequences", 2, "num_samples=")]
 
 
-@pytest.mark.parametrize("name,value,spelling", FOREIGN_KEYWORDS, ids=[k[0] for k in FOREIGN_KEYWORDS])
-def test_keywords_from_other_libraries_name_the_seqstate_spelling(engine, name, value, spelling):
+@pytest.mark.parametrize("name,value,spelling", FOREIGN_KEYWORDS,
+                         ids=[k[0] for k in FOREIGN_KEYWORDS])
+def test_keywords_from_other_libraries_name_the_seqstate_spelling(engine, name, value,
+                                                                  spelling):
     before = engine.stats
     with pytest.raises(ss.ArgumentError, match=re.escape(spelling)):
         ss.text(engine)("x", **{name: value})

@@ -49,7 +49,7 @@ def silent_skips(source: str) -> list[tuple[int, str]]:
 
 def test_engine_dependent_tests_go_through_conftests_one_check():
     """A test that skips on a missing engine by itself would pass ``make test`` with a broken
-    llama-cpp-python (issue 33): every such test asks `request_llamacpp` (or a fixture built
+    llama-cpp-python: every such test asks `request_llamacpp` (or a fixture built
     on it, or the vLLM fixtures), which fails loudly where SEQSTATE_REQUIRE_* is set.
     Libraries that ``make install`` always installs (lm-eval, numpy) are plain imports."""
     offences = [f"{path.name}:{line}: {what}" for path in sorted(TESTS.glob("*.py"))
@@ -107,8 +107,8 @@ def test_the_bound_is_a_multiple_of_the_measured_floor_and_says_so(tiny):
 
 
 def test_the_fresh_machines_failure_is_inside_the_bound_its_floor_gives(tiny, monkeypatch):
-    """The failure issue 33 reports: 1.087e-4 on next-token log-probs of magnitude ~37, tiny
-    model, against a bare 1e-4.  A CPU whose rows differ by that much between batch shapes
+    """The failure a fresh 2-core machine showed: 1.087e-4 on next-token log-probs of
+    magnitude ~37, tiny model, against a bare 1e-4.  A CPU whose rows differ by that much between batch shapes
     measures a floor of that order; an eighth of it already admits the failure.  With
     a floor of 0 the eps bound alone holds values this size to ~3.5e-5."""
     key = conftest._weights_key(tiny)

@@ -1,4 +1,4 @@
-"""Constraints allow every string of their language, and nothing else (issue 11, item 1)."""
+"""Constraints allow every string of their language, and nothing else ."""
 
 import itertools
 import re

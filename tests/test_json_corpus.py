@@ -1,4 +1,4 @@
-"""JSONSchemaBench: coverage, compile time and the validity of every finished value (issue 14).
+"""JSONSchemaBench: coverage, compile time and the validity of every finished value.
 
 The corpus (300 real schemas, 30 per category) lives beside the checkout in
 ``../shared/data/jsonschemabench``.  The normal run compiles and samples one schema per

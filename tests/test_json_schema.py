@@ -182,7 +182,7 @@ def test_a_long_constant_that_cannot_be_worked_around_is_refused(tiny):
 
 
 def test_issue_examples_generate_valid_values(tiny):
-    """The schemas that the regex compilation got wrong (issue 14)."""
+    """Schemas that an earlier regex compilation got wrong, each with its language checked."""
     schemas = [
         {"type": "array", "properties": {"a": {"type": "integer"}}, "maxItems": 3},
         {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},

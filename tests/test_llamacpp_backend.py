@@ -397,7 +397,7 @@ def even_model():
 
 
 def test_prompts_batched_equal_each_alone(even_model):
-    """Issue 23: prompt 24 gave ' 24 is not an even number' alone and ' 24 is indeed an even
+    """Prompt 24 once gave ' 24 is not an even number' alone and ' 24 is indeed an even
     number' batched with the other four (freed cells reused out of order)."""
     m = even_model
     text = ss.text(m)
