@@ -108,9 +108,9 @@ def test_the_bound_is_a_multiple_of_the_measured_floor_and_says_so(tiny):
 
 def test_the_fresh_machines_failure_is_inside_the_bound_its_floor_gives(tiny, monkeypatch):
     """The failure a fresh 2-core machine showed: 1.087e-4 on next-token log-probs of
-    magnitude ~37, tiny model, against a bare 1e-4.  A CPU whose rows differ by that much between batch shapes
-    measures a floor of that order; an eighth of it already admits the failure.  With
-    a floor of 0 the eps bound alone holds values this size to ~3.5e-5."""
+    magnitude ~37, tiny model, against a bare 1e-4.  A CPU whose rows differ by that much
+    between batch shapes measures a floor of that order; an eighth of it already admits the
+    failure.  With a floor of 0 the eps bound alone holds values this size to ~3.5e-5."""
     key = conftest._weights_key(tiny)
     values = torch.linspace(-37.0, 0.0, 1000, dtype=torch.float64)
     floor = 1.1e-4 / conftest.FLOOR_MULTIPLE
