@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from seqstate.backends.vllm.vocab import served_eos, vocabulary_table
-from seqstate.backends.vllm.wire import VOCAB_FILE
+from seqstate.backends.vllm.wire import VOCAB_ENV, VOCAB_FILE
 from seqstate.errors import ArgumentError, EngineError, ModelNotAvailable
 
 __all__ = ["Server", "server_python", "model_folder", "free_port", "FLAGS", "VENV"]
@@ -164,7 +164,7 @@ class Server:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), HF_HUB_OFFLINE="1",
-                   TRANSFORMERS_OFFLINE="1", SEQSTATE_VLLM_VOCAB=str(self.folder / VOCAB_FILE),
+                   TRANSFORMERS_OFFLINE="1", **{VOCAB_ENV: str(self.folder / VOCAB_FILE)},
                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
         env.pop("PYTHONPATH", None)                    # seqstate's environment stays out
         return env
