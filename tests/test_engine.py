@@ -8,19 +8,9 @@ from hypothesis import strategies as st
 from seqstate.engine import RowRequest, generate, next_logprobs
 from seqstate.sampling import greedy, multinomial
 
-from conftest import assert_close
+from conftest import assert_close, hf_generate
 
 PROMPTS = ["Q: name three vehicles.\nA:", "Hello", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,"]
-
-
-def hf_greedy(model, ids, n):
-    out = model.hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                                  pad_token_id=model.pad_token_id)[0].tolist()
-    new = out[len(ids):]
-    for i, t in enumerate(new):          # seqstate does not keep EOS in the state
-        if t in model.eos_token_ids:
-            return new[:i]
-    return new
 
 
 def check_greedy_matches_hf(model, n):
@@ -28,7 +18,7 @@ def check_greedy_matches_hf(model, n):
     single = [generate(model, [RowRequest(tuple(i), n)], greedy())[0] for i in ids]
     batched = generate(model, [RowRequest(tuple(i), n) for i in ids], greedy())
     for i, a, b in zip(ids, single, batched):
-        expected = hf_greedy(model, i, n)
+        expected = hf_generate(model, i, n)
         assert list(a.tokens[a.start:]) == expected
         assert list(b.tokens[b.start:]) == expected
 
