@@ -6,14 +6,14 @@ import dataclasses
 import html
 import operator
 import reprlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from seqstate import scores
-from seqstate.errors import (ArgumentError, BatchMismatch, CaptureNotFound, ModelMismatch,
-                             SlicingError)
+from seqstate.accessors import Axis, Captures, Chars, TokenAxis
+from seqstate.errors import ArgumentError, BatchMismatch, ModelMismatch, SlicingError
 from seqstate.indexing import is_prefix, normalize, token_positions
 from seqstate.rows import Chat, Row, Span, not_a_conversation
 
@@ -212,10 +212,10 @@ class SequenceState:
         return self.slice(tuple(full), strict=strict)
 
     @property
-    def chars(self) -> _Chars:
+    def chars(self) -> Chars:
         """Character-level cuts: ``state.chars[:40]`` keeps the longest whole-token prefix of the
         first 40 characters and re-encodes the rest."""
-        return _Chars(self)
+        return Chars(self)
 
     # -- log-probs ----------------------------------------------------------------------------
     def score(self, continuations: Any, *, store: bool = False) -> scores.Scores:
@@ -366,113 +366,6 @@ def _joined(left: Row, right: Row, vocab: Any) -> Row:
     if lead:
         right = right.select(range(lead, len(right.tokens)), keep_kv=False)
     return left.extended(right.tokens, right.logprobs, right.cursors, right.spans)
-
-
-class _Indexes:
-    """Indexing one axis of ``state`` (``axis``: 0 batch, 1 samples, 2 tokens)."""
-
-    __slots__ = ()
-    state: SequenceState
-    axis: int
-
-    def __getitem__(self, key: Any) -> SequenceState:
-        return self.state._axis(self.axis, key)
-
-    def slice(self, key: Any, *, strict: bool = False) -> SequenceState:
-        return self.state._axis(self.axis, key, strict)
-
-
-class Axis(_Indexes, int):
-    """The size of a row axis that also indexes it: ``state.batch[0]``, ``state.samples[1:3]``.
-
-    An int key keeps the axis with size 1, as in ``state[key, :, :]``.
-    """
-
-    def __new__(cls, size: int, state: SequenceState, axis: int) -> Axis:
-        obj = super().__new__(cls, size)
-        obj.state, obj.axis = state, axis
-        return obj
-
-    def __repr__(self) -> str:
-        return int.__repr__(self)
-
-    def __reduce__(self) -> tuple:
-        return (int, (int(self),))
-
-
-class TokenAxis(_Indexes):
-    """``state.tokens[key]``: every row's tokens, whatever the state's shape.
-
-    A prefix slice (``[:n]``, ``[:-k]``) keeps the KV and rolls the constraint state back;
-    ``state.tokens.slice(key, strict=True)`` refuses any other slice (its KV would be
-    recomputed) with a ``SlicingError``.
-    """
-
-    __slots__ = ("state",)
-    axis = 2
-
-    def __init__(self, state: SequenceState) -> None:
-        self.state = state
-
-    def __len__(self) -> int:
-        """The longest row's length."""
-        return max((len(r.tokens) for r in self.state.rows), default=0)
-
-
-class Captures(Mapping):
-    """Named calls' values per row; a later call with the same name replaces an earlier one."""
-
-    __slots__ = ("state",)
-
-    def __init__(self, state: SequenceState) -> None:
-        self.state = state
-
-    def _row(self, row: Row) -> dict[str, Any]:
-        return {span.name: span.value for span in row.spans
-                if span.name is not None and span.finish_reason != "sliced"}
-
-    def __getitem__(self, name: str) -> Any:
-        found = [self._row(r) for r in self.state.rows]
-        if not any(name in f for f in found):
-            raise CaptureNotFound(f"no call named {name!r} in this state; named calls: "
-                                  f"{sorted(self) or 'none'} (name one with gen(state, name=...))")
-        return self.state._per_row([f.get(name) for f in found])
-
-    def __iter__(self):
-        names: dict[str, None] = {}
-        for r in self.state.rows:
-            names.update(dict.fromkeys(self._row(r)))
-        return iter(names)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def __repr__(self) -> str:
-        return f"Captures({dict(self)!r})"
-
-
-class _Chars:
-    __slots__ = ("state",)
-
-    def __init__(self, state: SequenceState) -> None:
-        self.state = state
-
-    def __getitem__(self, key: slice) -> SequenceState:
-        if not isinstance(key, slice) or key.step not in (None, 1):
-            raise SlicingError(f"chars takes a step-1 slice such as state.chars[:40], got {key!r}")
-        st = self.state
-        vocab = st.model.vocab
-        rows = []
-        for r in st.rows:
-            text = vocab.decode(r.tokens)
-            lo, hi, _ = key.indices(len(text))
-            if lo == 0:
-                k, rest = vocab.char_prefix_tokens(r.tokens, hi)
-                rows.append(r.select(range(k), keep_kv=True).extended(st.model.encode(rest)))
-            else:
-                toks = tuple(st.model.encode(text[lo:hi]))
-                rows.append(Row(toks, None, (None,) * len(toks), (None,) * len(toks)))
-        return st._with_rows(rows)
 
 
 def from_tokens(model: Any, token_ids: Sequence[Sequence[int]]) -> SequenceState:

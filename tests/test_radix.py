@@ -316,7 +316,7 @@ def test_hf_store_accounts_bytes_and_evicts_lru_under_budget():
     store.extend((1, 2, 3, 4, 9), 4, kv(1))  # over budget: the two least recently used go
     assert store.evictions == 2 and store.bytes_cached == 9 * per_token
     assert [store.match((1, 2, 3, 4, t, t)).length for t in range(5, 9)] == [6, 4, 4, 6]
-    assert store.bytes_held == 4 * per_token and store.num_segments == 4
+    assert store.bytes_held == 4 * per_token and store.segments == 4
     store.verify()
     assert store.clear() == 5 * per_token and store.bytes_cached == 4 * per_token
     assert [(s.tokens, lo, hi) for s, lo, hi in base.prefix(3).pieces()] == [((1, 2, 3, 4), 0, 3)]

@@ -137,11 +137,8 @@ class HFBackend(StepBackend):
 
     # -- counters -----------------------------------------------------------------------------
     def kv_stats(self) -> dict[str, int]:
-        s = self.store
-        with s.lock:
-            return dict(kv_bytes_held=s.bytes_held, kv_bytes_cached=s.bytes_cached,
-                        evictions=s.evictions, live_evictions=s.live_evictions,
-                        segments=s.num_segments)
+        """The store's counters (`seqstate.radix.RadixStore.kv_stats`)."""
+        return self.store.kv_stats()
 
     # -- the StepBackend protocol -------------------------------------------------------------
     def batch(self) -> HFBatch:

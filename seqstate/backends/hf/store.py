@@ -67,7 +67,8 @@ class KVHandle(PinnedPrefix):
 
 class KVStore(RadixStore):
     """The per-model radix store.  Thread-safe; every public method takes the tree's lock.
-    ``frozen`` while a ``frozen_store()`` block is open (`seqstate.radix.RadixStore`).
+    ``frozen`` while a ``frozen_store()`` block is open; the counters (``bytes_cached``,
+    ``bytes_held``, ``evictions``, ...) and ``kv_stats()`` are `seqstate.radix.RadixStore`'s.
 
     Parameters
     ----------
@@ -92,34 +93,6 @@ class KVStore(RadixStore):
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
         super().__init__(RadixTree(Segment(None, 0, (), None), KVHandle))
         self.budget_bytes = budget_bytes
-
-    # -- accounting ---------------------------------------------------------------------------
-    @property
-    def bytes_cached(self) -> int:
-        return self.tree.size
-
-    @property
-    def bytes_held(self) -> int:
-        """Bytes of stored KV that live states refer to (evictable all the same)."""
-        return self.tree.held
-
-    @property
-    def num_segments(self) -> int:
-        return self.tree.count
-
-    @property
-    def evictions(self) -> int:
-        return self.tree.evictions
-
-    @property
-    def live_evictions(self) -> int:
-        """Evicted segments that live states referred to (computed again when continued)."""
-        return self.tree.live_evictions
-
-    @property
-    def bytes_scratch(self) -> int:
-        """Bytes of live scratch segments (pinned by states made inside ``frozen_store()``)."""
-        return self.tree.scratch_size
 
     # -- lookup and insertion -----------------------------------------------------------------
     def match(self, tokens: Sequence[int], limit: int | None = None) -> KVHandle:

@@ -1,44 +1,10 @@
 """The llama.cpp engine: KV lives in llama.cpp, shared token by token through its sequences.
 
-`LlamaCppBackend` is a `seqstate.backends.base.StepBackend` over
-llama-cpp-python's low-level ctypes API.  The context uses a *unified* KV cache, where a cell
-carries a set of sequence ids and ``llama_memory_seq_cp`` only tags cells: forking a row is
-metadata, and a prefix shared by any number of rows and stored states occupies its cells once.
-Stored paths live in `SeqStore`, a radix tree whose
-branch tips are carried by llama.cpp sequences; working rows (`LlamaCppBatch` slots) are
-further sequences forked from them.  Every fed row of a step runs in one ``llama_decode``.
-
-Exactness and batch independence (SmolLM2-135M Q4_1, x86 CPU, llama-cpp-python 0.3.36)
-    A row's logits are bit-identical (max abs difference 0.0) to `LlamaCppBackend.fresh_logits()`
-    of the same tokens, whatever else is in its batch, whatever ran before, and however its KV
-    was made: prefilled alone or packed with other rows, forked, sliced back, extended, truncated
-    and re-fed, evicted and recomputed; `score()`'s log-probs too.  So a call's result does not
-    depend on what else runs.  Two things make that so:
-
-    - the kernels.  The matmuls are batch-invariant (each output is one dot product, the same
-      for a row alone or among others).  Flash attention runs its per-row kernel, which sums a
-      query's cells one by one in cell order; llama.cpp's tiled kernel (64+ queries in a
-      ubatch) and split-KV kernel (one query over 512+ cells) group cells by absolute cell
-      index and round differently, so a row's result would depend on where its cells lie, which
-      depends on what else is cached.  The KV types (``native.KV_TYPES``: K f16, V q8_0) keep
-      the per-row kernel for every batch; without flash attention the softmax and V sums also
-      depend on cell placement.  Measured with the shipped model, five prompts prefilled in one
-      ubatch against each alone: per-row kernel 0.0, tiled (K and V f16) up to 1.05, no flash
-      attention up to 0.52 max abs logit difference;
-    - the cell layout.  Summing in cell order equals a fresh evaluation only while each row's
-      cells lie in position order.  llama.cpp reuses the lowest free cells, so a freed cell
-      below a row's cells (a released row, a rollback, an eviction) would take its next token
-      out of order (measured: up to 0.56 max abs logit difference, enough to flip greedy at a
-      near-tie).  Freed cells are therefore kept as garbage until the cache is full, then
-      `native.Llama.compact()` packs the live cells down in their order (~16 ms per 1,000
-      cells here); new tokens always land above every live cell.  `verify()` checks the order.
-
-    Not covered: a model with sliding-window layers (Gemma 3) lets llama.cpp reuse, in those
-    layers' cache, cells that fell out of the window, so rows longer than the window may sum
-    out of order there (not measured).  Greedy decoding matches ``llama_cpp.Llama(**backend.
-    reference_options)``'s own ``generate`` token for token.  Against the fp32 Hugging Face
-    model the Q4_1 weights differ by ~1-2 max abs logit (mean KL ~0.002) whatever the KV
-    types, so ``capabilities.exact`` is False.
+`LlamaCppBackend`, a `seqstate.backends.base.StepBackend`, runs llama-cpp-python's low-level
+API: stored paths live in `SeqStore`, working rows are `LlamaCppBatch` slots, and every fed
+row of a step runs in one ``llama_decode``.  How cells are shared, why a row's logits equal
+a fresh evaluation and what was measured: docs/engines.md, "How KV is shared inside
+llama.cpp" and "Exactness on llama.cpp".
 """
 
 
@@ -60,39 +26,17 @@ from seqstate.backends.base import (CacheFullError, Capabilities, Scored, StepBa
 from seqstate.backends.llamacpp.store import SeqHandle, SeqStore
 from seqstate.backends.prefixes import ensure_stored, trie_size
 from seqstate.backends.scoring import score_pairs
-from seqstate.errors import ArgumentError, ContextOverflowError, EngineError
+from seqstate.errors import ContextOverflowError, EngineError
 from seqstate.backends.llamacpp.batch import LlamaCppBatch
-from seqstate.backends.llamacpp.native import (GARBAGE_SEQ, RESERVED_SEQS, SCRATCH_SEQ, Llama,
-                                               check_gguf, usable_cores)
+from seqstate.backends.llamacpp.native import (GARBAGE_SEQ, SCRATCH_SEQ, Llama, check_gguf,
+                                               usable_cores)
+from seqstate.backends.llamacpp.options import MAX_SEQS, RESERVED_SEQS, LlamaCppOptions
 
-__all__ = ["LlamaCppBackend", "check_options", "MAX_SEQS", "MIN_SEQS", "NOISE_FLOOR"]
+__all__ = ["LlamaCppBackend", "NOISE_FLOOR"]
 
 # Max abs logit difference against a fresh evaluation that tests allow: every path measured
-# 0.0 (see above); positive so that comparisons can be strict.
+# 0.0 (docs/engines.md); positive so that comparisons can be strict.
 NOISE_FLOOR = 1e-4
-
-MAX_SEQS = 256                # llama.cpp's LLAMA_MAX_SEQ
-MIN_SEQS = RESERVED_SEQS + 2  # the reserved ones, a stored path and a working row
-
-
-def check_options(*, n_ctx: object, n_threads: object = None, n_seq_max: object = 64,
-                  n_batch: object = 512) -> None:
-    """Refuse bad engine options with `ArgumentError`, before anything is loaded."""
-    _check_int("n_ctx", n_ctx, 1, hint="KV cells shared by every stored state and working row")
-    if n_threads is not None:
-        _check_int("n_threads", n_threads, 1, hint="CPU threads, or None for every usable core")
-    _check_int("n_seq_max", n_seq_max, MIN_SEQS, MAX_SEQS,
-               hint=f"llama.cpp sequences: {RESERVED_SEQS} kept by seqstate, then one per stored "
-                    f"branch tip and one per working row; {MAX_SEQS} is llama.cpp's limit")
-    _check_int("n_batch", n_batch, 1, hint="the most tokens one llama_decode takes")
-
-
-def _check_int(name: str, value: object, lo: int, hi: int | None = None, *, hint: str) -> None:
-    if isinstance(value, int) and not isinstance(value, bool) \
-            and lo <= value and (hi is None or value <= hi):
-        return
-    bounds = f"an int in {lo}..{hi}" if hi is not None else f"an int >= {lo}"
-    raise ArgumentError(f"{name} must be {bounds} ({hint}), got {value!r}")
 
 
 def _tails(rows: Sequence[Sequence[int]], starts: Sequence[int], seqs: Sequence[int]
@@ -119,19 +63,9 @@ class LlamaCppBackend(StepBackend):
     ----------
     path : str or os.PathLike
         A GGUF model file.
-    n_ctx : int, default 4096
-        KV cells of the unified cache, shared by every stored state and working row.
-    n_threads : int or None
-        CPU threads (default: the cores this process may use).
-    n_seq_max : int, default 64
-        llama.cpp sequences, 4 to 256: two are kept (for `fresh_logits()` and for freed cells
-        awaiting compaction), the others carry stored paths (one per branch tip) and working
-        rows (one per row), so at most ``n_seq_max - 3`` rows run at once.
-    n_batch : int, default 512
-        Most tokens one ``llama_decode`` takes; longer prefills run in several.
-    quiet_logs : bool, default True
-        Silence llama.cpp's C log (one callback for the whole process: a ``llama_cpp.Llama``
-        of your own goes quiet too); False leaves it as it is.
+    options : LlamaCppOptions, optional
+        KV cells, threads, sequences, decode size, logs (`LlamaCppOptions`, which checks
+        them); ``keywords`` set single fields over it.
 
     Examples
     --------
@@ -148,13 +82,15 @@ class LlamaCppBackend(StepBackend):
     True
     """
 
-    def __init__(self, path: str | os.PathLike, *, n_ctx: int = 4096, n_threads: int | None = None,
-                 n_seq_max: int = 64, n_batch: int = 512, quiet_logs: bool = True) -> None:
-        check_options(n_ctx=n_ctx, n_threads=n_threads, n_seq_max=n_seq_max, n_batch=n_batch)
+    def __init__(self, path: str | os.PathLike, options: LlamaCppOptions | None = None,
+                 **keywords: object) -> None:
+        self.options = LlamaCppOptions.of(keywords, options)
+        n_ctx, n_seq_max = self.options.n_ctx, self.options.n_seq_max
         check_gguf(path)
-        threads = n_threads or usable_cores()
+        threads = self.options.n_threads or usable_cores()
         self.n_threads = threads
-        self.llama = Llama(str(Path(path)), n_ctx, threads, n_seq_max, n_batch, quiet_logs)
+        self.llama = Llama(str(Path(path)), n_ctx, threads, n_seq_max, self.options.n_batch,
+                           self.options.quiet_logs)
         self.n_ctx = ll.llama_n_ctx(self.llama.ctx)
         self.n_seq_max = n_seq_max
         self.vocab_size = self.llama.vocab_size
@@ -165,7 +101,7 @@ class LlamaCppBackend(StepBackend):
         self.store = SeqStore(self.llama, range(RESERVED_SEQS, n_seq_max), hint)
         self.capabilities = Capabilities(name="llama.cpp", full_logits=True, prefix_sharing=True,
                                          batching=True, exact=False,
-                                         max_rows=n_seq_max - RESERVED_SEQS - 1,
+                                         max_rows=self.options.max_rows,
                                          own_threads=True)
         self.counters = WorkCounters.zeros()
         self.lock = threading.RLock()
@@ -344,12 +280,9 @@ class LlamaCppBackend(StepBackend):
         return {"flash_attn": True, "type_k": self.llama.k_type, "type_v": self.llama.v_type}
 
     def kv_stats(self) -> dict[str, int]:
-        """Stored KV in bytes (cells x bytes per cell), like the HF engine's store counters."""
-        with self.store.lock:
-            return {"kv_bytes_held": self.store.held_cells * self.bytes_per_cell,
-                    "kv_bytes_cached": self.store.cells * self.bytes_per_cell,
-                    "evictions": self.store.evictions,
-                    "live_evictions": self.store.live_evictions, "segments": self.store.num_nodes}
+        """The store's counters (`seqstate.radix.RadixStore.kv_stats`): cells x bytes per
+        cell."""
+        return self.store.kv_stats()
 
     def verify(self) -> None:
         """Check the store and every open batch against llama.cpp's own sequence positions."""

@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from seqstate.backends import registry
+from seqstate.backends.llamacpp.options import LlamaCppOptions
 from seqstate.errors import ModelMismatch
 from seqstate.models.base import BaseModel
 
-__all__ = ["LlamaCppModel", "check_arguments"]
+__all__ = ["LlamaCppModel", "check_file"]
 
 
 def _native(name: str) -> Any:
@@ -19,11 +20,9 @@ def _native(name: str) -> Any:
     return registry.get("llama.cpp").module(name)
 
 
-def check_arguments(path: str | os.PathLike, *, n_ctx: Any, n_threads: Any,
-                    n_seq_max: Any) -> None:
-    """Refuse, before anything is loaded, options llama.cpp would reject or misread and a
-    file that is not GGUF (`ArgumentError`, `ModelNotAvailable`)."""
-    _native("backend").check_options(n_ctx=n_ctx, n_threads=n_threads, n_seq_max=n_seq_max)
+def check_file(path: str | os.PathLike) -> None:
+    """Refuse, before llama.cpp reads it, a file that is not GGUF (`ModelNotAvailable`, as
+    when llama-cpp-python is missing)."""
     _native("native").check_gguf(path)
 
 
@@ -41,24 +40,19 @@ class LlamaCppModel(BaseModel):
     hf_tokenizer : transformers.PreTrainedTokenizerFast
         A ``transformers`` fast tokenizer for the same vocabulary; one of another size is
         refused with `seqstate.ModelMismatch` (the file's unused padding ids aside).
-    n_ctx : int, default 4096
-        KV cells shared by every stored state and working row (the KV budget).
-    n_threads : int or None
-        CPU threads (default: every core this process may use).
-    n_seq_max : int, default 64
-        llama.cpp sequences, 4 to 256: stored branch tips plus working rows plus the two
-        seqstate keeps, so at most ``n_seq_max - 3`` rows run at once.
+    options : LlamaCppOptions
+        How llama.cpp runs it (KV cells, threads, sequences ...); the defaults by default.
+    name : str, optional
+        The model's name (default: the file's).
     """
 
-    def __init__(self, path: str | os.PathLike, hf_tokenizer: Any, *, n_ctx: int = 4096,
-                 n_threads: int | None = None, n_seq_max: int = 64, quiet_logs: bool = True,
-                 name: str | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, hf_tokenizer: Any,
+                 options: LlamaCppOptions | None = None, *, name: str | None = None) -> None:
         backend = _native("backend")              # ModelNotAvailable before anything else
         super().__init__(hf_tokenizer, name or Path(path).name)
         self.path = Path(path)
         # the backend checks its options and the file before llama.cpp loads anything
-        self.backend = backend.LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads,
-                                                n_seq_max=n_seq_max, quiet_logs=quiet_logs)
+        self.backend = backend.LlamaCppBackend(path, options)
         mine, theirs = self.vocab.size, self.backend.vocab_size
         # a GGUF may round its vocabulary up with unused padding ids a tokenizer lacks
         if mine > theirs or (mine < theirs and not _native("native").padding_only(path, mine)):

@@ -1,7 +1,7 @@
 """llama.cpp itself: one model and context, their batch, and the few calls seqstate makes.
 
-Two things here keep every row's logits independent of what else runs (see the exactness
-notes in `seqstate.backends.llamacpp.backend`):
+Two things here keep every row's logits independent of what else runs (see docs/engines.md,
+"Exactness on llama.cpp"):
 
 - the KV types make llama.cpp's CPU flash attention take its per-query-row kernel, whatever
   the batch holds (`KV_TYPES`);
@@ -29,13 +29,13 @@ import torch
 from seqstate.errors import EngineError, ModelNotAvailable
 
 __all__ = ["Llama", "check_gguf", "padding_only", "quiet_logs", "logged_errors", "usable_cores",
-           "SCRATCH_SEQ", "GARBAGE_SEQ", "RESERVED_SEQS", "KV_TYPES", "GGUF_MAGIC"]
+           "SCRATCH_SEQ", "GARBAGE_SEQ", "KV_TYPES", "GGUF_MAGIC"]
 
 GGUF_MAGIC = b"GGUF"
 
+# the `options.RESERVED_SEQS` sequence ids seqstate keeps for itself
 SCRATCH_SEQ = 0               # fresh evaluations (`LlamaCppBackend.fresh_logits`)
 GARBAGE_SEQ = 1               # cells nothing uses any more, kept occupied until compact()
-RESERVED_SEQS = 2
 
 # (K, V) cache types, first that the model takes.  K and V of different types keep llama.cpp's
 # CPU flash attention on its per-row kernel for every batch: its tiled kernel (64+ query rows

@@ -54,6 +54,8 @@ class Memory(Protocol):
 
     def seq_pos_max(self, seq: int) -> int: ...
 
+    def bytes_per_cell(self) -> int: ...
+
 
 class SeqNode(Node):
     """A span of stored tokens; its KV lives in llama.cpp cells tagged by carrier sequences.
@@ -114,36 +116,19 @@ class SeqStore(RadixStore):
     def __init__(self, memory: Memory, seq_ids: Iterable[int], overflow_hint: str = "") -> None:
         self.memory = memory
         self.overflow_hint = overflow_hint
-        super().__init__(RadixTree(SeqNode(None, 0, ()), SeqHandle, release=self._scratch_gone))
+        super().__init__(RadixTree(SeqNode(None, 0, ()), SeqHandle, release=self._scratch_gone),
+                         bytes_per_weight=memory.bytes_per_cell())
         self._all = frozenset(seq_ids)
         self._free = sorted(self._all, reverse=True)  # a stack: freed ids are reused first
         self._lent: set[int] = set()
         self._carriers: dict[int, SeqNode] = {}       # of stored nodes and live scratch ones
         self._orphans: collections.deque[int] = collections.deque()
 
-    # -- accounting ---------------------------------------------------------------------------
+    # -- accounting (the KV counters and kv_stats() are RadixStore's, in bytes) --------------
     @property
     def cells(self) -> int:
         """Cells of every stored token (each shared prefix counted once)."""
         return self.tree.size
-
-    @property
-    def held_cells(self) -> int:
-        """Cells of stored paths live states refer to (as the HF store counts segments)."""
-        return self.tree.held
-
-    @property
-    def num_nodes(self) -> int:
-        return self.tree.count
-
-    @property
-    def evictions(self) -> int:
-        return self.tree.evictions
-
-    @property
-    def live_evictions(self) -> int:
-        """Evicted nodes that live states referred to (prefilled again when continued)."""
-        return self.tree.live_evictions
 
     @property
     def free_seqs(self) -> int:

@@ -1,66 +1,6 @@
-"""One token radix tree under every engine's KV store; each engine keeps only its payload.
-
-A `Node` is a span of tokens that hangs off its parent after ``offset`` of the parent's
-tokens (children are keyed by that offset, then by their first token), so a path from the
-root spells a stored token prefix and a prefix shared by many rows is stored once.  Engines
-subclass `Node` with their payload (the HF engine: a KV tensor segment; llama.cpp: the
-sequence id that carries the path) and override `Node.weight`, the amount the tree accounts
-per node (bytes, cells).
-
-`RadixTree` owns what every store needs: the longest-prefix walk, handles (`PinnedPrefix`),
-linking and unlinking nodes with their accounting, and an incremental set of *evictable*
-nodes (childless, not the root, no hard pin) kept in least-recently-used order, so choosing
-what to evict is a heap pop, never a scan of the tree.  What to evict and when (a byte
-budget, no free sequence ids) stays with the engine.
-
-A handle is one of two kinds.  A *hard* pin is work in progress (a prefill, a working row
-borrowing stored KV): its node cannot be evicted.  A *soft* reference is what a live state
-holds: the KV is a cache, not a lease, so a referenced node is evicted like any other under
-pressure, least recently used first, and the state's tokens are computed again when it is
-next continued.  Soft references count on every node of their path (``refs``), which is what
-makes KV *live*: `RadixTree.live_evictions` counts live nodes evicted, and an evicted live
-node stays reachable as *lost* from its parent until its last reference goes, so a prefill
-can tell which of the tokens it computes are computed again (`RadixTree.lost_end`).
-
-*Scratch* nodes hold KV that must never be matched: what was computed while a
-``frozen_store()`` block was open (activation hooks may have edited it), and anything below
-such a node.  `RadixTree.scratch` hangs one off a parent without linking it into the
-parent's children, so no walk reaches it and no store count includes it; it pins its parent
-while it lives and is removed the moment its last pin goes, never joining the LRU order.
-
-Examples
---------
->>> tree = RadixTree(Node(None, 0, ()))
->>> a = tree.attach(Node(tree.root, 0, (1, 2, 3)))
->>> tree.match([1, 2, 3, 4]).length     # the longest stored prefix
-3
->>> kept = tree.match([1, 2])            # a hard pin: work in progress
->>> tree.lru_leaf() is None
-True
->>> del kept
->>> tree.lru_leaf() is a
-True
->>> state = tree.match([1, 2]).soft()   # a state's reference: evictable
->>> tree.lru_leaf() is a, tree.held
-(True, 3)
->>> tree.remove(a)
->>> tree.live_evictions, tree.lost_end([1, 2, 3, 4])    # lost: computed again
-(1, 3)
->>> del state
->>> tree.lost_end([1, 2, 3, 4])
-0
->>> tree.verify()
-
-A scratch node is reachable only through its handle, and goes with it:
-
->>> a = tree.attach(Node(tree.root, 0, (1, 2, 3)))
->>> h = tree.scratch(Node(a, 3, (4, 5)))
->>> h.length, tree.match([1, 2, 3, 4, 5]).length, tree.scratch_count
-(5, 3, 1)
->>> del h
->>> tree.scratch_count
-0
-"""
+"""`RadixTree`: the longest-prefix walk, linking and unlinking nodes with their accounting,
+pins and references, and the least-recently-used order of evictable nodes (see
+`seqstate.radix`)."""
 
 from __future__ import annotations
 
@@ -68,112 +8,14 @@ import contextlib
 import heapq
 import itertools
 import threading
-import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
-__all__ = ["Node", "PinnedPrefix", "RadixTree", "RadixStore"]
+from seqstate.radix.node import Node, PinnedPrefix
 
-
-class Node:
-    """A span of stored tokens, hanging off ``parent`` after ``offset`` of its tokens.
-
-    ``start`` is the position of the first token in the path; ``pins`` counts hard pins
-    ending in this node (and scratch children hanging off it); ``refs`` counts soft
-    references ending in this node or below it; ``last_used`` is the tick of the last walk
-    that reached it; ``scratch`` marks a node no walk may reach; ``lost`` holds the evicted
-    children that live states still refer to, by offset and first token (several may share
-    one place: a child evicted, stored again and evicted again).
-    """
-
-    __slots__ = ("__weakref__", "children", "last_used", "lost", "offset", "parent", "pins",
-                 "refs", "scratch", "start", "tokens")
-
-    def __init__(self, parent: Node | None, offset: int, tokens: tuple[int, ...]) -> None:
-        self.parent = parent
-        self.offset = offset                          # parent tokens that precede this node
-        self.start = 0 if parent is None else parent.start + offset
-        self.tokens = tokens
-        self.children: dict[int, dict[int, Node]] = {}   # offset -> first token -> child
-        self.lost: dict[tuple[int, int], list[Node]] = {}  # (offset, token) -> lost children
-        self.pins = 0
-        self.refs = 0
-        self.last_used = 0
-        self.scratch = False
-
-    @property
-    def end(self) -> int:
-        """Position just past this node's last token."""
-        return self.start + len(self.tokens)
-
-    @property
-    def weight(self) -> int:
-        """What the tree accounts for this node (tokens here; payloads count bytes, cells).
-        Constant over the node's life."""
-        return len(self.tokens)
-
-    def child(self, offset: int, token: int) -> Node | None:
-        return self.children.get(offset, {}).get(token)
-
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}(start={self.start}, len={len(self.tokens)}, "
-                f"pins={self.pins}, refs={self.refs})")
-
+__all__ = ["RadixTree"]
 
 N = TypeVar("N", bound=Node)
-
-
-class PinnedPrefix:
-    """A reference to the first ``length`` tokens of a stored path: a hard pin or a soft one.
-
-    ``node`` is the node the prefix ends in and ``rel`` how many of its tokens are included.
-    While a *hard* handle is alive ``tree`` keeps the node, and so every ancestor
-    (``tree._pin(node, +1)``; the matching ``-1`` runs when the handle is collected): work in
-    progress holds these.  A *soft* handle (`soft`) only marks its path live (``refs``):
-    the tree may evict it under pressure, after which `stored` is False and the tokens are
-    computed again when needed.  Live states hold soft handles.  Handles are immutable and
-    shared freely between states.
-    """
-
-    __slots__ = ("__weakref__", "hard", "node", "rel", "tree")
-
-    def __init__(self, tree: Any, node: Any, rel: int, hard: bool = True) -> None:
-        self.tree = tree
-        self.node = node
-        self.rel = rel                                # tokens of `node` included
-        self.hard = hard
-        change = tree._pin if hard else tree._ref
-        change(node, +1)
-        weakref.finalize(self, change, node, -1)
-
-    @property
-    def length(self) -> int:
-        """Number of tokens, from position 0, this handle names."""
-        return self.node.start + self.rel
-
-    def prefix(self, n: int) -> PinnedPrefix:
-        """A handle on the first ``n`` tokens (``n`` is clipped to this handle's length)."""
-        n = max(0, min(n, self.length))
-        if n == self.length:
-            return self
-        node = self.node
-        while node.parent is not None and n <= node.start:
-            node = node.parent
-        return type(self)(self.tree, node, n - node.start, self.hard)
-
-    def soft(self) -> PinnedPrefix:
-        """A soft handle on the same prefix (what a state keeps): live, yet evictable."""
-        return self if not self.hard else type(self)(self.tree, self.node, self.rel, False)
-
-    @property
-    def stored(self) -> bool:
-        """Whether this prefix's KV is still in the store (False once its node was evicted;
-        a scratch prefix is kept while any handle refers to it)."""
-        return self.node.scratch or self.tree._linked(self.node)
-
-    def __repr__(self) -> str:
-        kind = "" if self.hard else ", soft"
-        return f"{type(self).__name__}(length={self.length}{kind})"
 
 
 class RadixTree(Generic[N]):
@@ -501,23 +343,3 @@ class RadixTree(Generic[N]):
                                f"{parent.start + node.offset}")
         if parent.child(node.offset, node.tokens[0]) is not node:
             raise RuntimeError(f"node {node!r} is not linked from its parent")
-
-
-class RadixStore:
-    """What every engine's store on the tree shares: ``tree``, its ``lock``, and the freeze
-    behind ``model.frozen_store()``."""
-
-    def __init__(self, tree: RadixTree) -> None:
-        self.tree = tree
-        self.lock = tree.lock
-
-    @property
-    def frozen(self) -> bool:
-        """Whether a ``frozen_store()`` block is open: what is computed now is scratch."""
-        return self.tree.frozen > 0
-
-    def freeze(self) -> contextlib.AbstractContextManager[None]:
-        """A block (re-entrant, any thread) during which nothing is stored: see
-        ``model.frozen_store()``."""
-        return self.tree.freeze()
-
