@@ -80,11 +80,11 @@ class KVStore(RadixStore):
     --------
     >>> import torch
     >>> store = KVStore()
-    >>> kv = torch.zeros(2, 2, 1, 3, 4)                   # 2 layers, 1 KV head, 3 tokens
-    >>> state = store.extend([5, 6, 7], 0, kv).soft()     # what a state keeps
+    >>> kv = torch.zeros(2, 2, 1, 3, 4)     # 2 layers, 1 KV head, 3 tokens
+    >>> state = store.extend([5, 6, 7], 0, kv).soft()     # a state's handle
     >>> store.match([5, 6, 7, 8]).length, store.bytes_held == kv.numel() * 4
     (3, True)
-    >>> store.clear() == kv.numel() * 4                   # a cache, not a lease
+    >>> store.clear() == kv.numel() * 4     # a cache, not a lease
     True
     >>> state.stored, store.live_evictions, store.bytes_held
     (False, 1, 0)

@@ -108,7 +108,8 @@ class SeqStore(RadixStore):
     >>> model = ss.models.default(engine="llama.cpp", n_ctx=1024, n_threads=1)
     >>> state = ss.text(model)("Hello there", max_tokens=3)
     >>> ids = state.token_ids[0][0]
-    >>> model.store.match(ids).length >= len(ids) - 1     # every token but the last is stored
+    >>> # every token but the last is stored
+    >>> model.store.match(ids).length >= len(ids) - 1
     True
     >>> model.store.verify()
     """
