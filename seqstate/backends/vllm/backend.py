@@ -23,6 +23,7 @@ import torch
 from seqstate.backends.base import Capabilities, RequestBackend, Scored, Token, WorkCounters
 from seqstate.backends.vllm.client import Client
 from seqstate.backends.vllm.wire import vllm_xargs
+from seqstate.constraints import spec as keys
 from seqstate.errors import CapabilityError, EngineError
 from seqstate.sampling.params import Greedy, Multinomial, Sampler
 
@@ -196,7 +197,7 @@ class VllmBackend(RequestBackend):
     def _forced(self, pair: tuple[tuple[int, ...], tuple[int, ...]]) -> Scored:
         prefix, continuation = pair
         got = [t for t in self.complete(prefix, max_tokens=len(continuation), sampler=Greedy(),
-                                        spec={"force": list(continuation)}, ignore_eos=True)
+                                        spec={keys.FORCE: list(continuation)}, ignore_eos=True)
                if t.token is not None]
         if [t.token for t in got] != list(continuation):
             raise EngineError("the vLLM server did not return the forced tokens; is seqstate's "
