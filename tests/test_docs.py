@@ -106,7 +106,7 @@ def test_the_backend_page_lists_every_capability():
     row = next(line for line in page.splitlines() if line.startswith("| `capabilities` |"))
     fields = [f.name for f in dataclasses.fields(Capabilities) if f.name != "name"]
     assert [f for f in fields if f"`{f}`" not in row] == []
-    assert "`capabilities.steps`" in page              # and what it means, in prose
+    assert "**`StepBackend`**" in page and "**`RequestBackend`**" in page   # the two kinds
 
 
 def test_the_comparison_lists_the_three_engines_and_serving():
