@@ -151,10 +151,11 @@ def test_penalties_change_what_a_call_draws(engine, reference):
     plain = ss.text(engine)(prompt, max_tokens=8, sampler=ss.multinomial(temperature=0.1),
                             seed=3)
     strict = ss.text(engine)(prompt, max_tokens=8, seed=3,
-                             sampler=ss.multinomial(temperature=0.1, frequency_penalty=50.0,
+                             sampler=ss.multinomial(temperature=0.1, frequency_penalty=2.0,
                                                     repetition_penalty=1.3, min_p=0.05))
     new = strict.token_ids[0][0][start:]
-    assert len(set(new)) == len(new)                   # a huge frequency penalty: no repeats
+    # the largest frequency penalty vLLM accepts, 20 logits per repeat at this temperature
+    assert len(set(new)) == len(new)
     assert len(set(plain.token_ids[0][0][start:])) < 8   # without it, this prompt repeats
     # log-probs stay the model's own, not the penalized ones
     fresh = fresh_logprobs(reference, strict.token_ids[0][0])

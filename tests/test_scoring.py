@@ -97,13 +97,13 @@ def test_options_sharing_a_run_fork_on_every_engine(engine, reference, monkeypat
 def test_next_logprobs_is_exact_and_independent_of_other_rows(engine, reference):
     rng = random.Random(0)
     words = engine.encode(" ".join(["alpha", "beta", "gamma", "delta", "tea", "sky"] * 10))
-    rows = [words[: rng.randint(1, 40)] for _ in range(49)] + [[]]
+    rows = [words[: rng.randint(1, 40)] for _ in range(7)] + [[]]
     lp = ss.from_tokens(engine, rows).next_logprobs()
-    assert lp.shape == (50, 1, engine.vocab.size) and lp.dtype == torch.float32
+    assert lp.shape == (8, 1, engine.vocab.size) and lp.dtype == torch.float32
     for row, got in zip(rows, lp[:, 0]):
         tokens = row or engine.start_token_ids
         alone = ss.from_tokens(engine, [tokens]).next_logprobs()[0, 0]
-        assert_close(got, alone, reference, "next_logprobs: a row among 50 vs alone")
+        assert_close(got, alone, reference, "next_logprobs: a row among 8 vs alone")
         assert_close(got, fresh_logprobs(reference, tokens)[-1], reference,
                      "next_logprobs vs a fresh evaluation")
 
