@@ -41,9 +41,7 @@ LAYERS = [
                         "seqstate.__main__"]),
 ]
 
-# Import edges that still close a cycle, in files this task does not own; each names the item
-# that removes it (issue 24, item 6).  An edge listed here that disappears is fine: the test
-# only refuses cycles that are not listed.
+# Import edges allowed to close a cycle (none: a batch describes its backend by a protocol).
 KNOWN_CYCLES: set[tuple[str, str]] = set()
 
 

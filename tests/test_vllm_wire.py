@@ -35,6 +35,7 @@ def plugin(monkeypatch):
     (which imports vLLM) not run."""
     package = types.ModuleType("seqstate_vllm")
     package.__path__ = [str(PACKAGE)]
+    package.module = lambda name: importlib.import_module(f"{package.__name__}.{name}")
     monkeypatch.setitem(sys.modules, "seqstate_vllm", package)
     yield package
     for name in [m for m in sys.modules if m.startswith("seqstate_vllm.")]:
@@ -47,7 +48,7 @@ def table(tiny):
 
 
 def test_request_keys_agree(plugin):
-    theirs = importlib.import_module("seqstate_vllm.wire")
+    theirs = plugin.module("wire")
     assert theirs.XARGS_KEY == wire.XARGS_KEY
     assert theirs.VOCAB_KEY == wire.VOCAB_KEY
     assert theirs.VOCAB_ENV == wire.VOCAB_ENV
@@ -58,16 +59,16 @@ def test_request_keys_agree(plugin):
 
 
 def test_fingerprint_agrees(plugin, table):
-    theirs = importlib.import_module("seqstate_vllm.table")
+    theirs = plugin.module("table")
     assert theirs.Table(table).fingerprint == wire.fingerprint(table)
     # canonical JSON both ways: key order, separators, non-ASCII text
     odd = {"z": "é\u2028", "a": [3, 1], "size": 0}
-    assert importlib.import_module("seqstate_vllm.wire").fingerprint(odd) == wire.fingerprint(odd)
+    assert plugin.module("wire").fingerprint(odd) == wire.fingerprint(odd)
     assert wire.fingerprint(dict(reversed(list(odd.items())))) == wire.fingerprint(odd)
 
 
 def test_the_plugin_reads_the_request_the_client_builds(plugin, table):
-    theirs = importlib.import_module("seqstate_vllm.wire")
+    theirs = plugin.module("wire")
     xargs = wire.vllm_xargs(wire.fingerprint(table), {spec.REGEX: "(?:a)$", spec.REPLAY: [1]})
     sent = json.loads(xargs[theirs.XARGS_KEY])
     assert sent[theirs.VOCAB_KEY] == theirs.fingerprint(table)
@@ -75,13 +76,13 @@ def test_the_plugin_reads_the_request_the_client_builds(plugin, table):
 
 
 def test_the_server_names_the_table_to_the_plugin(plugin, tmp_path):
-    theirs = importlib.import_module("seqstate_vllm.wire")
+    theirs = plugin.module("wire")
     launched = types.SimpleNamespace(folder=tmp_path, kv_cache_gib=1)
     assert Server.environment(launched)[theirs.VOCAB_ENV] == str(tmp_path / wire.VOCAB_FILE)
 
 
 def test_constraints_send_keys_the_plugin_knows(plugin, tiny):
-    theirs = importlib.import_module("seqstate_vllm.wire")
+    theirs = plugin.module("wire")
     sent = [regex(tiny, "[0-9]+").remote(), regex(tiny, "[a-z]*").remote(),
             cfg(tiny, 'start: "yes" | "no"').remote(),
             HealingCursor(tiny.vocab, b" th").remote()]
