@@ -3,6 +3,7 @@
 `seqstate.backends.registry`.
 """
 
-from seqstate.backends.base import Backend, Batch, Capabilities, Handle
+from seqstate.backends.base import (Backend, Batch, Capabilities, Handle, RequestBackend,
+                                    StepBackend)
 
-__all__ = ["Backend", "Batch", "Capabilities", "Handle"]
+__all__ = ["Backend", "StepBackend", "RequestBackend", "Batch", "Capabilities", "Handle"]
