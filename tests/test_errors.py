@@ -39,7 +39,7 @@ _PROTOCOL = ("a caller breaking the store/batch protocol; only seqstate's own en
 # or "Class.*" for every method of a class that only seqstate's engine calls (a KV store, a
 # radix tree, an engine's batch), so that renaming a method there needs no edit here.
 INTERNAL: dict[tuple[str, str, str], str] = {
-    ("seqstate/radix.py", "RadixTree.*", "ValueError"): _PROTOCOL,
+    ("seqstate/radix/tree.py", "RadixTree.*", "ValueError"): _PROTOCOL,
     ("seqstate/backends/hf/store.py", "KVStore.*", "RuntimeError"): _PROTOCOL,
     ("seqstate/backends/hf/store.py", "_check_segment", "RuntimeError"): _CORRUPT,
     ("seqstate/backends/llamacpp/backend.py", "LlamaCppBackend.ensure_kv", "ValueError"):
