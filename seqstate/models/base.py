@@ -53,7 +53,7 @@ class BaseModel:
     (``runner``), a compiled-constraint cache and a lock.
 
     Generators and states use only what is here, so they run the same on every engine.
-    Subclasses set ``backend`` and give ``context_length``.
+    Subclasses set ``backend``.
     """
 
     hf_model: Any = None
@@ -83,7 +83,14 @@ class BaseModel:
 
     @property
     def context_length(self) -> int:
-        raise NotImplementedError
+        """The longest row the engine runs (``backend.context_length``)."""
+        return self.backend.context_length
+
+    @property
+    def store(self) -> Any:
+        """The engine's radix store (``verify()`` checks its links and accounting), or None
+        on an engine that keeps KV elsewhere (a server)."""
+        return self.backend.store
 
     @property
     def backend(self) -> Backend:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from seqstate.backends.hf.backend import HFBackend
-from seqstate.backends.hf.store import DEFAULT_BUDGET_BYTES, KVStore
+from seqstate.backends.hf.store import DEFAULT_BUDGET_BYTES
 from seqstate.models.base import BaseModel
 
 __all__ = ["HFModel"]
@@ -42,15 +42,6 @@ class HFModel(BaseModel):
     def _eos_sources(self) -> list[Any]:
         return [getattr(self.hf_model, "generation_config", None), self.hf_model.config,
                 self.hf_tokenizer]
-
-    @property
-    def store(self) -> KVStore:
-        """The radix store of KV segments (``verify()`` checks its links and accounting)."""
-        return self.backend.store
-
-    @property
-    def context_length(self) -> int:
-        return self.backend.context_length
 
     @property
     def device(self) -> torch.device:

@@ -66,8 +66,3 @@ class LlamaCppModel(BaseModel):
     def context_length(self) -> int:
         """The longest row: the model's trained context, bounded by the KV cells (``n_ctx``)."""
         return min(self.backend.context_length, self.backend.n_ctx)
-
-    @property
-    def store(self) -> Any:
-        """The radix store of llama.cpp sequences (``verify()`` checks it against llama.cpp)."""
-        return self.backend.store

@@ -65,11 +65,6 @@ class VllmModel(BaseModel):
         context = int(served.get("max_model_len") or 2048)
         self.backend = VllmBackend(client, served["id"], self.vocab.size, mine, context)
 
-    @property
-    def context_length(self) -> int:
-        """The server's ``max_model_len``."""
-        return self.backend.context_length
-
     @cached_property
     def eos_token_ids(self) -> frozenset[int]:
         """The served model's EOS ids, as the server's plugin has them (`served_eos`)."""
