@@ -39,6 +39,7 @@ from seqstate.engine.beam import Beams
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.engine.step import allowed_mask
 from seqstate.errors import CapabilityError, EngineError
+from seqstate.finish import FinishReason
 from seqstate.hooks import (DEFAULT_MAX_BACKTRACKS, TOP_TOKENS, Hook, Replace, Rollback,
                             SampleEvent, as_hook, checked)
 from seqstate.sampling.params import BeamSearch, Greedy, Sampler
@@ -46,6 +47,9 @@ from seqstate.sampling.params import BeamSearch, Greedy, Sampler
 __all__ = ["RequestRunner", "spec_of", "CONCURRENCY"]
 
 CONCURRENCY = 32         # one-token requests of a beam step in flight at once
+# The finishes a server reaches on its own: a request whose rows all end so is read to its end
+SERVER_SEES = frozenset({FinishReason.EOS, FinishReason.CONSTRAINT_COMPLETE,
+                         FinishReason.MAX_TOKENS})
 
 
 def spec_of(cursor: Cursor | None, replay: Sequence[int] = (),
@@ -191,7 +195,7 @@ class RequestRunner:
             raise failure
         for row in rows:
             if not row.done:            # the server ended the request without a reason we know
-                row.finish("max_tokens")
+                row.finish(FinishReason.MAX_TOKENS)
         return [_result(backend, row) for row in rows]
 
     def generate(self, requests: Sequence[RowRequest], sampler: Sampler,
@@ -318,14 +322,14 @@ def _abort(rows) -> bool:
     end, a token or so later, for its usage."""
     rows = list(rows)
     return all(r.done for r in rows) and any(
-        r.finish_reason not in ("eos", "constraint_complete", "max_tokens") for r in rows)
+        r.finish_reason not in SERVER_SEES for r in rows)
 
 
 def _accept(row: LiveRow, token: Token) -> None:
     """One streamed token (or a bare finish) into the row, as the local step would."""
     if token.token is not None:
         if token.token in row.eos and row.cursor is not None and not row.cursor.accepting:
-            row.finish("dead_end")          # the plugin ends a constraint with no way on
+            row.finish(FinishReason.DEAD_END)   # the plugin ends a constraint with no way on
             return
         try:
             row.accept(token.token, token.logprob)
@@ -333,5 +337,5 @@ def _accept(row: LiveRow, token: Token) -> None:
             raise EngineError(f"the server sampled token {token.token}, which the constraint "
                               f"does not allow here ({exc}); is seqstate's plugin loaded?") from exc
     if not row.done and token.finish is not None:
-        row.finish("max_tokens" if token.finish == "max_tokens" else
-                   "eos" if row.cursor is None else "dead_end")
+        row.finish(FinishReason.MAX_TOKENS if token.finish == FinishReason.MAX_TOKENS else
+                   FinishReason.EOS if row.cursor is None else FinishReason.DEAD_END)

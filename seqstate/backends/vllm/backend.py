@@ -25,6 +25,7 @@ from seqstate.backends.vllm.client import Client
 from seqstate.backends.vllm.wire import vllm_xargs
 from seqstate.constraints import spec as keys
 from seqstate.errors import CapabilityError, EngineError
+from seqstate.finish import FinishReason
 from seqstate.sampling.params import Greedy, Multinomial, Sampler
 
 __all__ = ["VllmBackend", "RemoteHandle", "Token", "sampling_of", "SCORE_CONCURRENCY",
@@ -239,9 +240,9 @@ def _tokens(choice: dict[str, Any], keep: int = 0) -> Iterator[Token]:
         yield Token(index, None, None, False, _finish(finish))
 
 
-def _finish(reason: str | None) -> str | None:
-    """vLLM's finish reason as `Token.finish`: ``"length"`` is ``"max_tokens"``, any other
-    (an EOS token, the plugin ending a constraint) ``"stop"``."""
+def _finish(reason: str | None) -> FinishReason | None:
+    """vLLM's finish reason as `Token.finish`: ``"length"`` is ``max_tokens``, any other
+    (an EOS token, the plugin ending a constraint) ``stop``."""
     if reason is None:
         return None
-    return "max_tokens" if reason == "length" else "stop"
+    return FinishReason.MAX_TOKENS if reason == "length" else FinishReason.STOP
