@@ -169,9 +169,9 @@ class Batch(Protocol):
     decode steps.  A slot holds the KV of a prefix of its row.
     """
 
-    def add(self, rows: Sequence[Sequence[int]], extra: int) -> list[int]:
+    def add(self, rows: Sequence[Sequence[int]], grow_by: int) -> list[int]:
         """New slots holding the KV of each ``row[:-1]``, computing only what no stored prefix
-        covers (shared uncached prefixes of these rows once).  ``extra`` is how many tokens
+        covers (shared uncached prefixes of these rows once).  ``grow_by`` is how many tokens
         each may still grow by."""
         ...
 

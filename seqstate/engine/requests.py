@@ -37,6 +37,7 @@ from seqstate.constraints.base import Cursor
 from seqstate.constraints.healing import MAX_HEAL_TOKENS
 from seqstate.engine.beam import Beams
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
+from seqstate.engine.runner import unobserved
 from seqstate.engine.step import allowed_mask
 from seqstate.errors import CapabilityError, EngineError
 from seqstate.finish import FinishReason
@@ -94,20 +95,21 @@ class _Request:
         seed = before.seed            # a new draw, still determined by the call's seed
         if seed is not None:
             seed = (seed * 6364136223846793005 + n) % 2**62
-        left = row.req.max_new - (len(row.generated) - row.free)
+        left = row.req.max_new - (len(row.generated) - row.respelled)
         return cls([i], row.tokens, spec, seed, _budget(row.req, n, left, context))
 
 
 def _budget(req: RowRequest, length: int, left: int, context: int) -> int:
     """``max_tokens`` of a request for a row of ``length`` tokens that may still generate
     ``left``: healing's re-spelling tokens do not count against it; the context bounds it."""
-    return min(left + (MAX_HEAL_TOKENS if req.healed else 0), context - length)
+    return min(left + (MAX_HEAL_TOKENS if req.healed_chars else 0), context - length)
 
 
 class RequestRunner:
-    """A model's runner on a `RequestBackend`: its calls as server requests.  It offers what
-    the scheduler (`seqstate.engine.scheduler.Scheduler`) offers on an engine that steps
-    rows: `run`, `generate`, `beam`, `score`, `next_logprobs`, `stored`."""
+    """A model's runner on a `RequestBackend`: its calls as server requests.  It is a
+    `seqstate.engine.runner.Runner`, as the scheduler
+    (`seqstate.engine.scheduler.Scheduler`) is on an engine that steps rows: `run`,
+    `generate`, `beam`, `score`, `next_logprobs`, `stored`."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -115,7 +117,7 @@ class RequestRunner:
     def run(self, requests: Sequence[RowRequest], sampler: Sampler,
             rng: torch.Generator | None, hooks: Sequence = (),
             max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
-            observe: Callable[[list[LiveRow]], Sequence[Any]] = lambda rows: (),
+            observe: Callable[[list[LiveRow]], Sequence[Any]] = unobserved,
             speculate: bool = True) -> Generator[Any, None, list[RowResult]]:
         """Continue every row by server requests; yields what ``observe`` returns as tokens
         arrive, returns the results.  A failed request (the server unreachable, dead,
@@ -261,7 +263,7 @@ class RequestRunner:
         for i, req in enumerate(requests):
             spec = spec_of(req.cursor, req.replay, engine)
             key = (None if grouped else i, req.tokens, json.dumps(spec, sort_keys=True),
-                   req.max_new, req.healed, req.stop.stops if req.stop is not None else None)
+                   req.max_new, req.healed_chars, req.stop.stops if req.stop is not None else None)
             if key in groups:
                 groups[key].rows.append(i)
                 continue

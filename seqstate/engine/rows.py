@@ -22,7 +22,7 @@ class RowRequest:
     max_new: int
     cursor: Cursor | None = None
     stop: StopMatcher | None = None
-    healed: int = 0        # leading generated characters that re-spell the prompt (healing)
+    healed_chars: int = 0  # leading generated characters that re-spell the prompt (healing)
     replay: tuple[int, ...] = ()   # tokens already generated under ``cursor`` (a resumed call)
 
 
@@ -57,7 +57,7 @@ class LiveRow:
         self.origin = 0                       # which incoming row a beam descends from
         self.decoder = IncrementalDecoder(vocab)
         self.text = ""
-        self.free = 0                          # leading tokens that only re-spell the prompt
+        self.respelled = 0                     # leading tokens that only re-spell the prompt
         self.value_end: int | None = None
         self.kv_limit = 1 << 62                # a stop-string cut invalidates KV past this
         self.finish_reason: FinishReason | None = None
@@ -114,12 +114,12 @@ class LiveRow:
         self.offsets.append(len(self.text))
         chunk = self.decoder.push(token)
         self.text += chunk
-        if len(self.text) <= self.req.healed and self.free == len(self.generated) - 1:
-            self.free += 1
+        if len(self.text) <= self.req.healed_chars and self.respelled == len(self.generated) - 1:
+            self.respelled += 1
         stop = self.req.stop
         if stop is not None and chunk:
             # stop strings match only text after the original prompt (not a healed re-spelling)
-            first = max(self.req.healed, len(self.text) - len(chunk) - stop.longest + 1)
+            first = max(self.req.healed_chars, len(self.text) - len(chunk) - stop.longest + 1)
             begin, end = stop.find(self.text, first)
             if begin >= 0:
                 self._cut_at(begin, end)
@@ -127,7 +127,7 @@ class LiveRow:
                 return chunk
         if self.cursor is not None and self.cursor.complete:
             self.finish(FinishReason.CONSTRAINT_COMPLETE)
-        elif len(self.generated) - self.free >= self.req.max_new:
+        elif len(self.generated) - self.respelled >= self.req.max_new:
             self.finish(FinishReason.MAX_TOKENS)
         return chunk
 
@@ -143,7 +143,7 @@ class LiveRow:
         self.cursor = self.cursors[-1] if self.cursors else self.req.cursor
         self.decoder = IncrementalDecoder(self.vocab)
         self.text = "".join(self.decoder.push(t) for t in self.generated)
-        self.free = min(self.free, len(self.generated))
+        self.respelled = min(self.respelled, len(self.generated))
 
     def _cut_at(self, begin: int, end: int) -> None:
         """End the row right after the stop string; the value excludes it.
