@@ -284,8 +284,10 @@ def _result(backend, row: LiveRow) -> RowResult:
 
 def _hooked(row: LiveRow, i: int, token: Token, hooks: Sequence[Hook], max_backtracks: int) -> bool:
     """Run the hooks on one streamed token, as the local step does; True when the row's
-    request must be sent again from its kept tokens (the hooks intervened)."""
-    if token.token is None:
+    request must be sent again from its kept tokens (the hooks intervened).  The plugin's
+    EOS for a constraint with no way on is no sample: the row ends at a dead end, unhooked,
+    as the local step ends it before sampling."""
+    if token.token is None or _dead_end(row, token.token):
         _accept(row, token)
         return False
     chosen, logprob, replaced = token.token, token.logprob, False
@@ -307,6 +309,12 @@ def _hooked(row: LiveRow, i: int, token: Token, hooks: Sequence[Hook], max_backt
             row.rollback(action.n)
         else:                                   # a resample: the server samples without them
             row.bans.setdefault(len(row.tokens), set()).update(action.ban)
+        allowed = allowed_mask(row, row.vocab.size)
+        if allowed is not None and not allowed.any():
+            # every way on is banned: the row ends here, as the local step ends it (a server
+            # asked to sample from nothing would send a token nothing allows)
+            row.finish(FinishReason.DEAD_END)
+            return False
         return True
     _accept(row, dataclasses.replace(token, token=chosen, logprob=logprob))
     return replaced
@@ -327,11 +335,17 @@ def _abort(rows) -> bool:
         r.finish_reason not in SERVER_SEES for r in rows)
 
 
+def _dead_end(row: LiveRow, token: int) -> bool:
+    """Whether ``token`` is the plugin ending the row's constraint with no way on: EOS
+    where the constraint is not complete."""
+    return token in row.eos and row.cursor is not None and not row.cursor.accepting
+
+
 def _accept(row: LiveRow, token: Token) -> None:
     """One streamed token (or a bare finish) into the row, as the local step would."""
     if token.token is not None:
-        if token.token in row.eos and row.cursor is not None and not row.cursor.accepting:
-            row.finish(FinishReason.DEAD_END)   # the plugin ends a constraint with no way on
+        if _dead_end(row, token.token):
+            row.finish(FinishReason.DEAD_END)
             return
         try:
             row.accept(token.token, token.logprob)
