@@ -8,6 +8,7 @@ from seqstate.errors import (ActivationHookError, ArgumentError, BatchMismatch, 
                              ContextOverflowError, EngineError, HookError, LogitsError,
                              ModelMismatch, ModelNotAvailable, SampleMismatch, SeqStateError,
                              SlicingError)
+from seqstate.finish import FinishReason
 from seqstate.generation import (Generator, cfg, choice, continuous, final_state, json, regex,
                                  text)
 from seqstate.sampling import beam_search, greedy, multinomial
@@ -16,7 +17,7 @@ from seqstate.state import SequenceState, from_tokens
 
 __all__ = [
     "SequenceState", "from_tokens", "Scores", "Generator", "text", "choice", "regex", "json", "cfg",
-    "continuous", "final_state", "chat", "run_batch", "BatchError", "greedy", "multinomial", "beam_search",
+    "continuous", "final_state", "FinishReason", "chat", "run_batch", "BatchError", "greedy", "multinomial", "beam_search",
     "models", "backends", "engine", "sampling", "constraints", "grammars", "hooks", "viz",
     "SeqStateError", "SlicingError", "BatchMismatch", "SampleMismatch", "ModelMismatch",
     "ConstraintError", "ContextOverflowError", "CacheFullError", "ModelNotAvailable", "HookError",

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from seqstate.errors import CaptureNotFound, SlicingError
+from seqstate.finish import FinishReason
 from seqstate.rows import Row
 
 __all__ = ["Axis", "TokenAxis", "Captures", "Chars"]
@@ -78,7 +79,7 @@ class Captures(Mapping):
 
     def _row(self, row: Row) -> dict[str, Any]:
         return {span.name: span.value for span in row.spans
-                if span.name is not None and span.finish_reason != "sliced"}
+                if span.name is not None and span.finish_reason != FinishReason.SLICED}
 
     def __getitem__(self, name: str) -> Any:
         found = [self._row(r) for r in self.state.rows]

@@ -20,6 +20,7 @@ import interegular
 import torch
 
 from seqstate.errors import CapabilityError, ConstraintError, HookError
+from seqstate.finish import FinishReason
 
 __all__ = ["SampleEvent", "Accept", "Replace", "Resample", "Rollback", "Action", "Hook",
            "as_hook", "ban_phrases", "checked", "DEFAULT_MAX_BACKTRACKS", "TOP_TOKENS"]
@@ -194,7 +195,7 @@ def checked(hook: Hook, action: Action, row, token: int, allowed: Callable[[int]
                         "Resample or Rollback")
     row.backtracks += 1
     if row.backtracks > max_backtracks:
-        row.finish("max_backtracks")
+        row.finish(FinishReason.MAX_BACKTRACKS)
         return None
     if isinstance(action, Rollback):
         if action.n > len(row.generated):

@@ -15,6 +15,7 @@ from typing import Any
 from seqstate.backends.base import Handle as KVHandle
 from seqstate.constraints.base import Cursor
 from seqstate.errors import ChatTemplateError
+from seqstate.finish import FinishReason
 
 __all__ = ["Span", "Row", "Chat", "markup_end", "not_a_conversation"]
 
@@ -29,7 +30,7 @@ class Span:
         The call's tokens in the row: ``row.tokens[start:end]``.
     generator : Generator
         The generator that made them.
-    finish_reason : str
+    finish_reason : FinishReason
         Why the call ended (see `SequenceState.finish_reason`).
     value : object
         What the call produced: its text, the chosen option, the parsed JSON; None when a
@@ -43,7 +44,7 @@ class Span:
     start: int
     end: int
     generator: Any
-    finish_reason: str
+    finish_reason: FinishReason
     value: Any
     scores: dict[str, float] | None = None      # option scoring: every option's score
     name: str | None = None                     # the call's ``name=``: a capture
@@ -98,7 +99,7 @@ class Row:
                 if cut.end - cut.start != span.end - span.start:
                     # a span cut short no longer carries its value (nor a capture: its name
                     # stays only for resume()): it is a different text now
-                    cut = dataclasses.replace(cut, value=None, finish_reason="sliced")
+                    cut = dataclasses.replace(cut, value=None, finish_reason=FinishReason.SLICED)
                 spans.append(cut)
         chat = None
         if positions.step == 1 and positions.start == 0 and self.chat is not None:

@@ -136,8 +136,10 @@ class SequenceState:
 
     @property
     def finish_reason(self) -> Any:
-        """Why the last call ended per row: stop, eos, max_tokens, constraint_complete, dead_end,
-        max_backtracks, invalid (a JSON value that fails its schema), scored or sliced."""
+        """Why the last call ended per row, a `seqstate.FinishReason` (a `str`: compare it
+        with ``"eos"``): stop, eos, max_tokens, constraint_complete, dead_end,
+        max_backtracks, invalid (a JSON value that fails its schema), scored or sliced;
+        None for a row no call made."""
         return self._per_row([r.last_span.finish_reason if r.last_span else None for r in self.rows])
 
     def __len__(self) -> int:

@@ -345,12 +345,12 @@ class _Cells:
             self._refused.append(more)
             raise CacheFullError(f"{used} cells used, {more} more do not fit in {self._limit}")
 
-    def add(self, rows, extra):
+    def add(self, rows, grow_by):
         need = sum(len(r) for r in rows)
         if need > self._limit:
             raise ss.ContextOverflowError(f"{need} cells never fit in {self._limit}")
         self._check(need)
-        slots = self._inner.add(rows, extra)
+        slots = self._inner.add(rows, grow_by)
         self._slots.update(slots)
         return slots
 

@@ -26,8 +26,8 @@ ENGINE_SHAPE = ("backend", "model", "loader")
 # (DESIGN.md's values -> generation -> engine -> backends -> radix tree, with the pluggable
 # parts of a step and the protocols beside the tree, and the public surface on top).
 LAYERS = [
-    ("foundation", ["seqstate.errors", "seqstate.radix", "seqstate.detokenize",
-                    "seqstate.progress", "seqstate.indexing"]),
+    ("foundation", ["seqstate.errors", "seqstate.finish", "seqstate.radix",
+                    "seqstate.detokenize", "seqstate.progress", "seqstate.indexing"]),
     ("protocols and step parts", ["seqstate.backends.base", "seqstate.backends.registry",
                                   "seqstate.constraints", "seqstate.sampling",
                                   "seqstate.hooks"]),

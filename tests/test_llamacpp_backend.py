@@ -75,7 +75,7 @@ def test_protocol_and_shapes(backend, tok):
     ids = tok.encode(STORY)
     batch = backend.batch()
     assert isinstance(batch, Batch)
-    [slot] = batch.add([ids], extra=4)
+    [slot] = batch.add([ids], grow_by=4)
     assert batch.length(slot) == len(ids) - 1
     logits = batch.forward([slot], [ids[-1]])
     assert logits.shape == (1, 49152) and logits.dtype == torch.float32
@@ -97,7 +97,7 @@ def test_forked_sliced_extended_prefix_match_fresh(backend, tok):
     fresh = backend.fresh_logits(ids)
     n = len(ids) // 2
     batch = backend.batch()
-    [slot] = batch.add([ids[: n + 1]], extra=len(ids))
+    [slot] = batch.add([ids[: n + 1]], grow_by=len(ids))
     for i in range(n, len(ids)):                                   # extend token by token
         assert _maxdiff(batch.forward([slot], [ids[i]])[0], fresh[i]) < EXACT
     stored = batch.commit(slot, ids, len(ids))
@@ -107,7 +107,7 @@ def test_forked_sliced_extended_prefix_match_fresh(backend, tok):
     cuts = [3, n - 2, len(ids) - 2]
     assert [stored.prefix(c).length for c in cuts] == cuts
     before = backend.counters["prefill_tokens"]
-    slots = batch.add([ids[: c + 1] for c in cuts] * 2, extra=2)
+    slots = batch.add([ids[: c + 1] for c in cuts] * 2, grow_by=2)
     assert backend.counters["prefill_tokens"] == before           # every prefix was stored
     logits = batch.forward(slots, [ids[c] for c in cuts] * 2)
     for j, c in enumerate(cuts * 2):
@@ -122,13 +122,13 @@ def test_shared_prefix_computed_once(backend, tok):
     rows = [system + tok.encode(q) for q in (" What is 2+2?", " Name a colour.", " Say hi.")]
     batch = backend.batch()
     before = dict(backend.counters)
-    batch.add(rows, extra=2)
+    batch.add(rows, grow_by=2)
     prefilled = backend.counters["prefill_tokens"] - before["prefill_tokens"]
     assert prefilled == len(system) + sum(len(r) - 1 - len(system) for r in rows)
     batch.close()
     # the same rows again: nothing computed, every target token reused from the store
     before = dict(backend.counters)
-    slots = batch.add(rows, extra=2)
+    slots = batch.add(rows, grow_by=2)
     assert backend.counters["prefill_tokens"] == before["prefill_tokens"]
     assert backend.counters["forward_calls"] == before["forward_calls"]
     reused = backend.counters["cached_tokens_reused"] - before["cached_tokens_reused"]
@@ -150,7 +150,7 @@ def test_eight_forks_share_cells(tok):
     prompt = (tok.encode(STORY) * 40)[:512]
     firsts = [tok.encode(w)[0] for w in (" a", " the", " one", " his", " an", " my", " some", " every")]
     batch = backend.batch()
-    slots = batch.add([prompt + [f] for f in firsts], extra=8)
+    slots = batch.add([prompt + [f] for f in firsts], grow_by=8)
     assert backend.counters["prefill_tokens"] == 512
     assert backend.kv_stats()["segments"] == 1                   # one stored copy of the prompt
     rows = [prompt + [f] for f in firsts]
@@ -175,7 +175,7 @@ def test_eight_forks_share_cells(tok):
 def test_truncate_then_forward_matches_fresh(backend, tok):
     ids = tok.encode(STORY)
     batch = backend.batch()
-    [slot] = batch.add([ids], extra=16)
+    [slot] = batch.add([ids], grow_by=16)
     generated = _greedy(batch, slot, ids[-1], 6)
     batch.truncate(slot, len(ids) + 1)                             # keep one generated token
     assert batch.length(slot) == len(ids) + 1
@@ -191,7 +191,7 @@ def test_truncate_then_forward_matches_fresh(backend, tok):
 def test_fork_release_and_committed_slots(backend, tok):
     ids = tok.encode(STORY)
     batch = backend.batch()
-    a, b = batch.add([ids, ids[:10]], extra=8)
+    a, b = batch.add([ids, ids[:10]], grow_by=8)
     top = int(batch.forward([a, b], [ids[-1], ids[9]])[0].argmax())
     batch.release(b)
     c, d = batch.fork(a), batch.fork(a)                            # three beams from one slot
@@ -227,7 +227,7 @@ def test_eviction_keeps_hard_pins_and_lets_states_go(tok):
     batch = backend.batch()
     for i, text in enumerate(texts):                               # 8 x ~35 tokens > 256 cells
         ids = tok.encode(text)
-        [slot] = batch.add([ids], extra=2)
+        [slot] = batch.add([ids], grow_by=2)
         batch.forward([slot], [ids[-1]])
         stored = batch.commit(slot, ids, len(ids))
         assert not stored.hard                                     # a state's handle
@@ -242,7 +242,7 @@ def test_eviction_keeps_hard_pins_and_lets_states_go(tok):
     assert backend.store.match(kept[0][0]).length == len(kept[0][0]) == pinned.length
     assert not all(h.stored for _, h in kept)                      # states' paths went
     for ids, _ in kept:
-        [slot] = batch.add([ids + [ids[0]]], extra=1)
+        [slot] = batch.add([ids + [ids[0]]], grow_by=1)
         logits = batch.forward([slot], [ids[0]])
         fresh = backend.fresh_logits(ids + [ids[0]])
         # evicted and released cells never take new tokens below live ones: still exact
@@ -258,17 +258,17 @@ def test_overflow_is_a_clear_error(tok):
     ids = tok.encode(STORY)
     batch = backend.batch()
     with pytest.raises(ContextOverflowError, match="n_ctx=256"):   # refused before compute
-        batch.add([ids * 20], extra=1)
+        batch.add([ids * 20], grow_by=1)
     with pytest.raises(ContextOverflowError, match="n_seq_max=6"):
-        batch.add([ids[:k] for k in range(5, 12)], extra=1)
+        batch.add([ids[:k] for k in range(5, 12)], grow_by=1)
     assert backend.counters["forward_calls"] == 0
     held = []
     for text in ("Alpha beta gamma delta", "One two three four", "Red green blue yellow"):
-        [slot] = batch.add([tok.encode(text)], extra=1)
+        [slot] = batch.add([tok.encode(text)], grow_by=1)
         held.append(backend.store.match(tok.encode(text)[:-1]))
         batch.release(slot)
     # three stored paths pinned, one sequence free: the prompt takes it, no row can own one
-    slots = batch.add([ids, ids], extra=1)
+    slots = batch.add([ids, ids], grow_by=1)
     with pytest.raises(ContextOverflowError, match="n_seq_max"):
         batch.forward(slots, [ids[-1], ids[-1]])
     batch.close()
@@ -276,13 +276,13 @@ def test_overflow_is_a_clear_error(tok):
     # cells: a pinned 200-token state leaves too few cells for another 100-token prompt
     del held, slots
     gc.collect()
-    [slot] = batch.add([(tok.encode(STORY) * 20)[:201]], extra=1)
+    [slot] = batch.add([(tok.encode(STORY) * 20)[:201]], grow_by=1)
     other = (tok.encode("The weather today is sunny and warm. ") * 20)[:101]
     with pytest.raises(ContextOverflowError, match="n_ctx=256"):
-        batch.add([other], extra=1)
+        batch.add([other], grow_by=1)
     backend.verify()
     batch.release(slot)                                            # its stored prompt is evictable
-    [slot] = batch.add([other], extra=1)
+    [slot] = batch.add([other], grow_by=1)
     batch.close()
     backend.verify()
 
@@ -343,7 +343,7 @@ def test_greedy_matches_llama_cpp_python(backend, tok):
             want.append(t)
             if len(want) == 40:
                 break
-        [slot] = batch.add([ids], extra=41)
+        [slot] = batch.add([ids], grow_by=41)
         assert _greedy(batch, slot, ids[-1], 40) == want, text
         batch.release(slot)
     batch.close()
@@ -363,7 +363,7 @@ def test_freed_cells_never_take_tokens_below_live_ones(tok):
     backend = _backend(n_ctx=256, n_seq_max=12)
     rows = [tok.encode(p) for p in EVEN]
     batch = backend.batch()
-    slots = batch.add(rows, extra=16)
+    slots = batch.add(rows, grow_by=16)
     last = [r[-1] for r in rows]
     step = compactions = 0
     while backend.llama.compactions < 2:

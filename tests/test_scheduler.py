@@ -223,7 +223,7 @@ class _FakeBatch:
     def batch(self):                   # the backend too
         return self
 
-    def add(self, rows, extra):
+    def add(self, rows, grow_by):
         if any(r == self.never for r in rows):
             raise ss.ContextOverflowError("too long")
         if any(r == self.full for r in rows):
@@ -280,10 +280,10 @@ def test_an_older_newcomer_that_finds_the_cache_full_pauses_newer_jobs():
     batch.full = None
     real_add = batch.add
 
-    def add(rows, extra):                        # full until the newer job has left
+    def add(rows, grow_by):                      # full until the newer job has left
         if new.slots:
             raise CacheFullError("full now")
-        return real_add(rows, extra)
+        return real_add(rows, grow_by)
 
     batch.add = add
     run.waiting = [old]

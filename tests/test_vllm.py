@@ -15,6 +15,7 @@ import http.server
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -260,6 +261,50 @@ def test_features_needing_full_logits_are_refused_before_any_request(vllm, featu
     assert info.value.capability == "full_logits"
     assert info.value.engine == "vllm"
     assert calls(vllm) == before
+
+
+def _status(url: str, body: dict) -> int:
+    """The HTTP status of one raw completion request, straight to the server."""
+    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as answer:
+            return answer.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+@pytest.mark.parametrize("name, outside, bound", [
+    ("frequency_penalty", 2.5, 2.0), ("frequency_penalty", -2.5, -2.0),
+    ("presence_penalty", 3.0, 2.0), ("presence_penalty", -3.0, -2.0),
+    ("temperature", 2.5, 2.0)])
+def test_values_outside_vllms_ranges_are_refused_before_any_request(vllm, vllm_server, name,
+                                                                    outside, bound):
+    before = calls(vllm)
+    with pytest.raises(ss.ArgumentError, match=rf"{name}={outside!r} is outside vLLM's range"):
+        ss.text(vllm)("Hello", sampler=ss.multinomial(**{name: outside}), max_tokens=2, seed=0)
+    assert calls(vllm) == before
+    # the server's own answers draw the same line: it refuses the value and takes the bound
+    body = {"model": vllm.backend.served, "prompt": vllm.encode_prompt("Hello"),
+            "max_tokens": 1}
+    assert _status(vllm_server.url, {**body, name: outside}) == 400
+    assert _status(vllm_server.url, {**body, name: bound}) == 200
+    s = ss.text(vllm)("Hello", sampler=ss.multinomial(**{name: bound}), max_tokens=2, seed=0)
+    assert s.finish_reason in ("max_tokens", "eos")
+
+
+def test_vllms_ranges_refuse_only_what_the_sampler_lets_through():
+    # no server: the check is the client's alone.  Values every engine's sampler refuses are
+    # refused there first (one error type, one place); vLLM's own limits come after
+    from seqstate.backends.vllm.backend import VLLM_RANGES, sampling_of
+
+    assert set(VLLM_RANGES) <= set(sampling_of(ss.multinomial(top_p=0.5, min_p=0.1)))
+    with pytest.raises(ss.ArgumentError, match=r"repetition_penalty=inf .* \(0, inf\)"):
+        sampling_of(ss.multinomial(repetition_penalty=float("inf")))
+    for wrong in ({"top_p": 0.0}, {"min_p": 1.5}, {"temperature": 0.0}):
+        with pytest.raises(ss.ArgumentError):
+            ss.multinomial(**wrong)            # the sampler's own bound, on every engine
+    assert sampling_of(ss.greedy()) == {"temperature": 0.0}
 
 
 def test_a_vocabulary_that_differs_is_refused(vllm):

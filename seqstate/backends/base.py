@@ -29,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from seqstate.errors import CacheFullError, CapabilityError
+from seqstate.finish import FinishReason
 
 __all__ = ["Capabilities", "WorkCounters", "Handle", "Scored", "Token", "Batch", "Backend",
            "StepBackend", "RequestBackend", "CacheFullError",
@@ -146,15 +147,16 @@ class Token:
     """One token of a streamed request (`RequestBackend.complete`): which of its ``n``
     choices, the token, its raw log-prob, whether it is the most likely token there, and the
     choice's finish (on its last token, or on an empty final event: ``token`` None):
-    ``"max_tokens"`` where the request's ``max_tokens`` ran out, ``"stop"`` where the server
-    ended it (an EOS token, or the constraint with no way on); ``top``: the most likely
-    tokens there with their raw log-probs, best first, when the request asked."""
+    `FinishReason.MAX_TOKENS` where the request's ``max_tokens`` ran out,
+    `FinishReason.STOP` where the server ended it (an EOS token, or the constraint with no
+    way on); ``top``: the most likely tokens there with their raw log-probs, best first,
+    when the request asked."""
 
     index: int
     token: int | None
     logprob: float | None
     argmax: bool
-    finish: str | None = None
+    finish: FinishReason | None = None
     top: tuple[tuple[int, float], ...] = ()
 
 
@@ -167,9 +169,9 @@ class Batch(Protocol):
     decode steps.  A slot holds the KV of a prefix of its row.
     """
 
-    def add(self, rows: Sequence[Sequence[int]], extra: int) -> list[int]:
+    def add(self, rows: Sequence[Sequence[int]], grow_by: int) -> list[int]:
         """New slots holding the KV of each ``row[:-1]``, computing only what no stored prefix
-        covers (shared uncached prefixes of these rows once).  ``extra`` is how many tokens
+        covers (shared uncached prefixes of these rows once).  ``grow_by`` is how many tokens
         each may still grow by."""
         ...
 

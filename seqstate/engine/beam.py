@@ -29,6 +29,7 @@ from seqstate.engine.decode import FIRST_CAPACITY, commit
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.engine.job import Job
 from seqstate.engine.step import allowed_mask
+from seqstate.finish import FinishReason
 from seqstate.sampling.params import BeamSearch
 
 __all__ = ["BeamJob", "Beams", "Candidates"]
@@ -108,7 +109,7 @@ class Beams:
                     kept.append(_Beam(child, total, grown, g, parent.slot))
             if not kept and not finished[g]:            # nothing allowed anywhere: dead ends
                 for i in mine:
-                    beams[i].row.finish("dead_end")
+                    beams[i].row.finish(FinishReason.DEAD_END)
                     finished[g].append((commit(beams[i], beams[i].row),
                                         params.score(beams[i].weight, beams[i].length),
                                         beams[i].row.origin))

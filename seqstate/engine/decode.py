@@ -43,7 +43,7 @@ class DecodeJob(Job):
 
     def needs(self) -> tuple[list[Sequence[int]], int]:
         live = self.stepper.live                 # every row at first; the unfinished on resuming
-        room = max(self.rows[i].req.max_new - len(self.rows[i].generated) + self.rows[i].free
+        room = max(self.rows[i].req.max_new - len(self.rows[i].generated) + self.rows[i].respelled
                    for i in live)
         return [self.rows[i].tokens for i in live], min(room, FIRST_CAPACITY) + 1
 
@@ -81,7 +81,7 @@ class DecodeJob(Job):
         """Tokens the row's constraint forces next (speculation), within the row's budget."""
         if not self.speculate or row.cursor is None:
             return ()
-        room = row.req.max_new - (len(row.generated) - row.free) - 1
+        room = row.req.max_new - (len(row.generated) - row.respelled) - 1
         return row.cursor.draft()[:room] if room > 0 else ()
 
     def step(self, batch, logits: list[torch.Tensor]) -> bool:

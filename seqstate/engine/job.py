@@ -31,7 +31,7 @@ class Job:
         self.worker: threading.Thread | None = None     # the worker thread holding this job
 
     def needs(self) -> tuple[list[Sequence[int]], int]:
-        """``(rows, extra)``: the rows to add to the batch (as they are now: a paused job
+        """``(rows, grow_by)``: the rows to add to the batch (as they are now: a paused job
         asks again for its live rows) and the tokens each may grow by."""
         raise NotImplementedError
 
@@ -41,8 +41,8 @@ class Job:
 
     def start(self, batch) -> None:
         """Join ``batch`` alone: add this job's rows (prefilling through the store)."""
-        rows, extra = self.needs()
-        self.slots = list(batch.add(rows, extra))
+        rows, grow_by = self.needs()
+        self.slots = list(batch.add(rows, grow_by))
         self.joined(list(self.slots))
 
     def wants(self) -> tuple[list[int], list[list[int]]]:

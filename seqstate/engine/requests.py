@@ -37,8 +37,10 @@ from seqstate.constraints.base import Cursor
 from seqstate.constraints.healing import MAX_HEAL_TOKENS
 from seqstate.engine.beam import Beams
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
+from seqstate.engine.runner import unobserved
 from seqstate.engine.step import allowed_mask
 from seqstate.errors import CapabilityError, EngineError
+from seqstate.finish import FinishReason
 from seqstate.hooks import (DEFAULT_MAX_BACKTRACKS, TOP_TOKENS, Hook, Replace, Rollback,
                             SampleEvent, as_hook, checked)
 from seqstate.sampling.params import BeamSearch, Greedy, Sampler
@@ -46,6 +48,9 @@ from seqstate.sampling.params import BeamSearch, Greedy, Sampler
 __all__ = ["RequestRunner", "spec_of", "CONCURRENCY"]
 
 CONCURRENCY = 32         # one-token requests of a beam step in flight at once
+# The finishes a server reaches on its own: a request whose rows all end so is read to its end
+SERVER_SEES = frozenset({FinishReason.EOS, FinishReason.CONSTRAINT_COMPLETE,
+                         FinishReason.MAX_TOKENS})
 
 
 def spec_of(cursor: Cursor | None, replay: Sequence[int] = (),
@@ -90,20 +95,21 @@ class _Request:
         seed = before.seed            # a new draw, still determined by the call's seed
         if seed is not None:
             seed = (seed * 6364136223846793005 + n) % 2**62
-        left = row.req.max_new - (len(row.generated) - row.free)
+        left = row.req.max_new - (len(row.generated) - row.respelled)
         return cls([i], row.tokens, spec, seed, _budget(row.req, n, left, context))
 
 
 def _budget(req: RowRequest, length: int, left: int, context: int) -> int:
     """``max_tokens`` of a request for a row of ``length`` tokens that may still generate
     ``left``: healing's re-spelling tokens do not count against it; the context bounds it."""
-    return min(left + (MAX_HEAL_TOKENS if req.healed else 0), context - length)
+    return min(left + (MAX_HEAL_TOKENS if req.healed_chars else 0), context - length)
 
 
 class RequestRunner:
-    """A model's runner on a `RequestBackend`: its calls as server requests.  It offers what
-    the scheduler (`seqstate.engine.scheduler.Scheduler`) offers on an engine that steps
-    rows: `run`, `generate`, `beam`, `score`, `next_logprobs`, `stored`."""
+    """A model's runner on a `RequestBackend`: its calls as server requests.  It is a
+    `seqstate.engine.runner.Runner`, as the scheduler
+    (`seqstate.engine.scheduler.Scheduler`) is on an engine that steps rows: `run`,
+    `generate`, `beam`, `score`, `next_logprobs`, `stored`."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -111,7 +117,7 @@ class RequestRunner:
     def run(self, requests: Sequence[RowRequest], sampler: Sampler,
             rng: torch.Generator | None, hooks: Sequence = (),
             max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
-            observe: Callable[[list[LiveRow]], Sequence[Any]] = lambda rows: (),
+            observe: Callable[[list[LiveRow]], Sequence[Any]] = unobserved,
             speculate: bool = True) -> Generator[Any, None, list[RowResult]]:
         """Continue every row by server requests; yields what ``observe`` returns as tokens
         arrive, returns the results.  A failed request (the server unreachable, dead,
@@ -191,7 +197,7 @@ class RequestRunner:
             raise failure
         for row in rows:
             if not row.done:            # the server ended the request without a reason we know
-                row.finish("max_tokens")
+                row.finish(FinishReason.MAX_TOKENS)
         return [_result(backend, row) for row in rows]
 
     def generate(self, requests: Sequence[RowRequest], sampler: Sampler,
@@ -257,7 +263,7 @@ class RequestRunner:
         for i, req in enumerate(requests):
             spec = spec_of(req.cursor, req.replay, engine)
             key = (None if grouped else i, req.tokens, json.dumps(spec, sort_keys=True),
-                   req.max_new, req.healed, req.stop.stops if req.stop is not None else None)
+                   req.max_new, req.healed_chars, req.stop.stops if req.stop is not None else None)
             if key in groups:
                 groups[key].rows.append(i)
                 continue
@@ -278,8 +284,10 @@ def _result(backend, row: LiveRow) -> RowResult:
 
 def _hooked(row: LiveRow, i: int, token: Token, hooks: Sequence[Hook], max_backtracks: int) -> bool:
     """Run the hooks on one streamed token, as the local step does; True when the row's
-    request must be sent again from its kept tokens (the hooks intervened)."""
-    if token.token is None:
+    request must be sent again from its kept tokens (the hooks intervened).  The plugin's
+    EOS for a constraint with no way on is no sample: the row ends at a dead end, unhooked,
+    as the local step ends it before sampling."""
+    if token.token is None or _dead_end(row, token.token):
         _accept(row, token)
         return False
     chosen, logprob, replaced = token.token, token.logprob, False
@@ -301,6 +309,12 @@ def _hooked(row: LiveRow, i: int, token: Token, hooks: Sequence[Hook], max_backt
             row.rollback(action.n)
         else:                                   # a resample: the server samples without them
             row.bans.setdefault(len(row.tokens), set()).update(action.ban)
+        allowed = allowed_mask(row, row.vocab.size)
+        if allowed is not None and not allowed.any():
+            # every way on is banned: the row ends here, as the local step ends it (a server
+            # asked to sample from nothing would send a token nothing allows)
+            row.finish(FinishReason.DEAD_END)
+            return False
         return True
     _accept(row, dataclasses.replace(token, token=chosen, logprob=logprob))
     return replaced
@@ -318,14 +332,20 @@ def _abort(rows) -> bool:
     end, a token or so later, for its usage."""
     rows = list(rows)
     return all(r.done for r in rows) and any(
-        r.finish_reason not in ("eos", "constraint_complete", "max_tokens") for r in rows)
+        r.finish_reason not in SERVER_SEES for r in rows)
+
+
+def _dead_end(row: LiveRow, token: int) -> bool:
+    """Whether ``token`` is the plugin ending the row's constraint with no way on: EOS
+    where the constraint is not complete."""
+    return token in row.eos and row.cursor is not None and not row.cursor.accepting
 
 
 def _accept(row: LiveRow, token: Token) -> None:
     """One streamed token (or a bare finish) into the row, as the local step would."""
     if token.token is not None:
-        if token.token in row.eos and row.cursor is not None and not row.cursor.accepting:
-            row.finish("dead_end")          # the plugin ends a constraint with no way on
+        if _dead_end(row, token.token):
+            row.finish(FinishReason.DEAD_END)
             return
         try:
             row.accept(token.token, token.logprob)
@@ -333,5 +353,5 @@ def _accept(row: LiveRow, token: Token) -> None:
             raise EngineError(f"the server sampled token {token.token}, which the constraint "
                               f"does not allow here ({exc}); is seqstate's plugin loaded?") from exc
     if not row.done and token.finish is not None:
-        row.finish("max_tokens" if token.finish == "max_tokens" else
-                   "eos" if row.cursor is None else "dead_end")
+        row.finish(FinishReason.MAX_TOKENS if token.finish == FinishReason.MAX_TOKENS else
+                   FinishReason.EOS if row.cursor is None else FinishReason.DEAD_END)

@@ -8,6 +8,7 @@ from functools import cached_property
 
 from seqstate.constraints.base import Cursor
 from seqstate.detokenize import IncrementalDecoder, StopMatcher, TokenVocabulary
+from seqstate.finish import FinishReason
 from seqstate.backends.base import Handle
 
 __all__ = ["RowRequest", "RowResult", "LiveRow"]
@@ -21,7 +22,7 @@ class RowRequest:
     max_new: int
     cursor: Cursor | None = None
     stop: StopMatcher | None = None
-    healed: int = 0        # leading generated characters that re-spell the prompt (healing)
+    healed_chars: int = 0  # leading generated characters that re-spell the prompt (healing)
     replay: tuple[int, ...] = ()   # tokens already generated under ``cursor`` (a resumed call)
 
 
@@ -33,7 +34,7 @@ class RowResult:
     start: int
     logprobs: tuple[float | None, ...]        # per new token: the model's own log-prob
     cursors: tuple[Cursor | None, ...]        # per new token: the constraint cursor after it
-    finish_reason: str
+    finish_reason: FinishReason
     text: str                                 # generated text, without a matched stop string
     handle: Handle | None                     # KV of a prefix of `tokens` (None from a Stepper)
 
@@ -56,10 +57,10 @@ class LiveRow:
         self.origin = 0                       # which incoming row a beam descends from
         self.decoder = IncrementalDecoder(vocab)
         self.text = ""
-        self.free = 0                          # leading tokens that only re-spell the prompt
+        self.respelled = 0                     # leading tokens that only re-spell the prompt
         self.value_end: int | None = None
         self.kv_limit = 1 << 62                # a stop-string cut invalidates KV past this
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
 
     def fork(self) -> LiveRow:
         """An independent copy (a beam's child); lists are copied, immutable parts shared."""
@@ -95,14 +96,15 @@ class LiveRow:
     def generated(self) -> list[int]:
         return self.tokens[self.start:]
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: FinishReason) -> None:
         self.finish_reason = reason
         self.text += self.decoder.flush()
 
     def accept(self, token: int, logprob: float) -> str:
         """Append a sampled token, apply the stop conditions; returns the new text chunk."""
         if token in self.eos and (self.cursor is None or self.cursor.accepting):
-            self.finish("eos" if self.cursor is None else "constraint_complete")
+            self.finish(FinishReason.EOS if self.cursor is None
+                        else FinishReason.CONSTRAINT_COMPLETE)
             return ""
         self.tokens.append(token)
         self.logprobs.append(logprob)
@@ -112,21 +114,21 @@ class LiveRow:
         self.offsets.append(len(self.text))
         chunk = self.decoder.push(token)
         self.text += chunk
-        if len(self.text) <= self.req.healed and self.free == len(self.generated) - 1:
-            self.free += 1
+        if len(self.text) <= self.req.healed_chars and self.respelled == len(self.generated) - 1:
+            self.respelled += 1
         stop = self.req.stop
         if stop is not None and chunk:
             # stop strings match only text after the original prompt (not a healed re-spelling)
-            first = max(self.req.healed, len(self.text) - len(chunk) - stop.longest + 1)
+            first = max(self.req.healed_chars, len(self.text) - len(chunk) - stop.longest + 1)
             begin, end = stop.find(self.text, first)
             if begin >= 0:
                 self._cut_at(begin, end)
-                self.finish("stop")
+                self.finish(FinishReason.STOP)
                 return chunk
         if self.cursor is not None and self.cursor.complete:
-            self.finish("constraint_complete")
-        elif len(self.generated) - self.free >= self.req.max_new:
-            self.finish("max_tokens")
+            self.finish(FinishReason.CONSTRAINT_COMPLETE)
+        elif len(self.generated) - self.respelled >= self.req.max_new:
+            self.finish(FinishReason.MAX_TOKENS)
         return chunk
 
     def rollback(self, n: int) -> None:
@@ -141,7 +143,7 @@ class LiveRow:
         self.cursor = self.cursors[-1] if self.cursors else self.req.cursor
         self.decoder = IncrementalDecoder(self.vocab)
         self.text = "".join(self.decoder.push(t) for t in self.generated)
-        self.free = min(self.free, len(self.generated))
+        self.respelled = min(self.respelled, len(self.generated))
 
     def _cut_at(self, begin: int, end: int) -> None:
         """End the row right after the stop string; the value excludes it.
@@ -170,5 +172,6 @@ class LiveRow:
     def result(self, handle: Handle | None) -> RowResult:
         text = self.text if self.value_end is None else self.text[: self.value_end]
         return RowResult(tuple(self.tokens), self.start, tuple(self.logprobs),
-                         tuple(self.cursors), self.finish_reason or "max_tokens", text, handle)
+                         tuple(self.cursors), self.finish_reason or FinishReason.MAX_TOKENS,
+                         text, handle)
 

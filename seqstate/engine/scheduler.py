@@ -2,8 +2,8 @@
 
 Each model on an engine that steps rows (a `StepBackend`) has one `Scheduler`, its runner:
 `run`, `generate`, `beam`, `score`, `next_logprobs` and `stored` are what the model's calls
-ask of it (a server's model has a `seqstate.engine.requests.RequestRunner` instead, with the
-same methods).  A call becomes a `Job` (its rows, its own
+ask of it (`seqstate.engine.runner.Runner`; a server's model has a
+`seqstate.engine.requests.RequestRunner` instead).  A call becomes a `Job` (its rows, its own
 sampler, RNG, hooks and stop strings); a worker thread runs one step at a time for every
 active job: newcomers join the batch (their prefixes prefilled through the store), then a
 single forward feeds every live row of every job, and each job samples its own rows from its
@@ -42,8 +42,9 @@ from seqstate.engine.beam import BeamJob
 from seqstate.engine.decode import DecodeJob
 from seqstate.engine.job import Job
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
+from seqstate.engine.runner import unobserved
 from seqstate.engine.running import _Run
-from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS
+from seqstate.hooks import DEFAULT_MAX_BACKTRACKS
 from seqstate.sampling.params import BeamSearch, Sampler
 
 __all__ = ["Job", "Scheduler", "IDLE_SECONDS", "POLL_SECONDS"]
@@ -102,7 +103,7 @@ class Scheduler:
     def run(self, requests: Sequence[RowRequest], sampler: Sampler,
             rng: torch.Generator | None, hooks: Sequence = (),
             max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
-            observe: Callable[[list[LiveRow]], Sequence[Any]] = lambda rows: (),
+            observe: Callable[[list[LiveRow]], Sequence[Any]] = unobserved,
             speculate: bool = True) -> Generator[Any, None, list[RowResult]]:
         """Continue every row (a `DecodeJob`), sharing decode steps with concurrent calls;
         yields what ``observe`` returns after each step, returns the results."""
@@ -115,7 +116,7 @@ class Scheduler:
                  ) -> list[RowResult]:
         """`run` to its end: the results."""
         return self.run_job(DecodeJob(self.model, requests, sampler, rng, hooks,
-                                      max_backtracks, lambda rows: (), speculate))
+                                      max_backtracks, unobserved, speculate))
 
     def beam(self, groups: Sequence[Sequence[tuple[RowRequest, float, int]]],
              params: BeamSearch, on_step: Callable[[], None] | None = None

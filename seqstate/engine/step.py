@@ -14,6 +14,7 @@ import torch
 
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.errors import LogitsError
+from seqstate.finish import FinishReason
 from seqstate.hooks import Replace, Rollback, SampleEvent, checked
 from seqstate.sampling.params import Greedy, Sampler
 
@@ -30,7 +31,7 @@ class StepEvent:
     token: int | None          # the accepted token (None after a rollback or when finishing)
     text: str                  # text this step added (UTF-8 safe)
     rolled_back: int = 0       # generated tokens removed by a hook
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 def allowed_mask(row: LiveRow, vocab_size: int) -> torch.Tensor | None:
@@ -128,8 +129,8 @@ class Stepper:
         for j, (i, m) in enumerate(zip(live, masks)):
             if m is not None:
                 if not m.any():
-                    self.rows[i].finish("dead_end")
-                    events.append(StepEvent(i, None, "", finish_reason="dead_end"))
+                    self.rows[i].finish(FinishReason.DEAD_END)
+                    events.append(StepEvent(i, None, "", finish_reason=FinishReason.DEAD_END))
                     m = torch.ones_like(m)
                 masked[j].masked_fill_(~m, float("-inf"))
         # 2. sample every row at once
@@ -183,7 +184,7 @@ class Stepper:
             banned = list(action.ban)
             masked[banned] = float("-inf")
             if not torch.isfinite(masked).any():
-                row.finish("dead_end")
+                row.finish(FinishReason.DEAD_END)
                 return token, 0
             row.bans.setdefault(len(row.tokens), set()).update(banned)
             token = int(self._choose(masked[None], [i])[0])

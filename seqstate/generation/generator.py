@@ -16,6 +16,7 @@ from seqstate.call import CALL_PARAMETERS, Call, CallOptions
 from seqstate.constraints.base import Constraint, Cursor
 from seqstate.engine.rows import RowRequest, RowResult
 from seqstate.errors import ArgumentError, ConstraintError
+from seqstate.finish import FinishReason
 from seqstate.generation import capabilities, prompts
 from seqstate.generation.beam import beam
 from seqstate.generation.healing import healed as heal
@@ -179,14 +180,14 @@ class Generator:
         reason = res.finish_reason
         if self.constraint is None:
             value = text[len(healed):]          # a resumed reply's value is the whole reply
-        elif reason == "constraint_complete" or (reason == "stop" and cursor is not None
-                                                 and cursor.accepting):
+        elif reason == FinishReason.CONSTRAINT_COMPLETE or (
+                reason == FinishReason.STOP and cursor is not None and cursor.accepting):
             # only a completed constraint has a value: a row cut by max_tokens (or a hook's
             # limit) has none even where its text matches ("66" of [0-9]{1,3} was cut, not
             # chosen).  A value the grammar allows but the schema does not (uniqueItems, ...)
             # is never returned as valid.
             if self._constraint_of(cursor).validate(text) is not None:
-                value, reason = None, "invalid"
+                value, reason = None, FinishReason.INVALID
             else:
                 value = self._parse(cursor, text)
         else:

@@ -7,6 +7,7 @@ from typing import Any
 from seqstate.call import Call
 from seqstate.constraints import compile as compiled
 from seqstate.errors import ArgumentError
+from seqstate.finish import FinishReason
 from seqstate.generation import capabilities, prompts
 from seqstate.generation.generator import Generator
 from seqstate.generation.prompts import Prompt
@@ -53,7 +54,7 @@ class ScoredChoice(Generator):
         rows = []
         for row, j, (total, per), handle in zip(state.rows, best, totals, kept):
             lps = per[j].logprobs
-            span = Span(len(row.tokens), len(row.tokens) + len(lps), self, "scored",
+            span = Span(len(row.tokens), len(row.tokens) + len(lps), self, FinishReason.SCORED,
                         self.values[j], total, call.name)
             rows.append(Row(row.tokens + tuple(self.option_ids[j]), handle,
                             row.logprobs + lps, row.cursors + (None,) * len(lps),

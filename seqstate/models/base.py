@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from seqstate.backends.base import Backend, StepBackend, WorkCounters
 from seqstate.engine.requests import RequestRunner
+from seqstate.engine.runner import Runner
 from seqstate.engine.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -97,8 +98,9 @@ class BaseModel:
         """The engine behind this model.  Setting it (a subclass does, once, when the model is
         built) picks the model's ``runner`` by the backend's kind: a
         `seqstate.engine.scheduler.Scheduler` for a `StepBackend` (concurrent calls share
-        decode steps), a `seqstate.engine.requests.RequestRunner` for a server.  Both offer
-        ``run``, ``generate``, ``beam``, ``score``, ``next_logprobs`` and ``stored``.
+        decode steps), a `seqstate.engine.requests.RequestRunner` for a server.  Both are a
+        `seqstate.engine.runner.Runner`: ``run``, ``generate``, ``beam``, ``score``,
+        ``next_logprobs`` and ``stored``, with the same signatures.
 
         Examples
         --------
@@ -111,7 +113,7 @@ class BaseModel:
     @backend.setter
     def backend(self, backend: Backend) -> None:
         self._backend = backend
-        self.runner: Scheduler | RequestRunner = (
+        self.runner: Runner = (
             Scheduler(self) if isinstance(backend, StepBackend) else RequestRunner(self))
 
     # -- tokenizer ----------------------------------------------------------------------------

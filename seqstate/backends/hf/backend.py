@@ -50,7 +50,7 @@ class HFBackend(StepBackend):
     >>> model = ss.models.testing.tiny()
     >>> backend, ids = model.backend, model.encode("Hello there")
     >>> batch = backend.batch()
-    >>> [slot] = batch.add([ids], extra=8)                      # prefills ids[:-1]
+    >>> [slot] = batch.add([ids], grow_by=8)                    # prefills ids[:-1]
     >>> logits = batch.forward([slot], [ids[-1]])               # next-token logits (1, V)
     >>> bool((logits[0] - backend.fresh_logits(ids)[-1]).abs().max() < 1e-3)
     True

@@ -46,17 +46,17 @@ class HFBatch:
         self._next_slot = 0
 
     # -- joining and leaving ------------------------------------------------------------------
-    def add(self, rows: Sequence[Sequence[int]], extra: int) -> list[int]:
-        slots = self._join(ensure_kv(self.backend, rows), extra)
+    def add(self, rows: Sequence[Sequence[int]], grow_by: int) -> list[int]:
+        slots = self._join(ensure_kv(self.backend, rows), grow_by)
         self.backend.store.evict()                # the prefill's pins went: its KV is copied
         return slots
 
-    def _join(self, handles: list[KVHandle], extra: int) -> list[int]:
+    def _join(self, handles: list[KVHandle], grow_by: int) -> list[int]:
         """New buffer rows holding each handle's KV (soft handles kept as their bases)."""
         need = max(h.length for h in handles)
         b = self.backend
         if self.buf is None:
-            self.buf = KVBuffer(b.num_layers, b.kv_heads, b.head_dim, len(handles), need + extra,
+            self.buf = KVBuffer(b.num_layers, b.kv_heads, b.head_dim, len(handles), need + grow_by,
                                 b.dtype, b.device)
             self.buf.length = need
             self.mask = torch.zeros(len(handles), self.buf.capacity, dtype=torch.long)
@@ -64,7 +64,7 @@ class HFBatch:
         else:
             if need > self.buf.length:
                 self._shift(need - self.buf.length)
-            self._grow(len(handles), self.buf.length + extra)
+            self._grow(len(handles), self.buf.length + grow_by)
             self.padded = True
         end = self.buf.length
         slots = []

@@ -73,7 +73,7 @@ class LlamaCppBackend(StepBackend):
     >>> backend = LlamaCppBackend(ss.models.default_gguf(), n_ctx=2048, n_threads=1)
     >>> prompt_ids = ss.models.loading.default_tokenizer().encode("Hello there")
     >>> batch = backend.batch()
-    >>> [slot] = batch.add([prompt_ids], extra=8)               # prefills prompt_ids[:-1]
+    >>> [slot] = batch.add([prompt_ids], grow_by=8)             # prefills prompt_ids[:-1]
     >>> batch.forward([slot], [prompt_ids[-1]]).shape           # next-token logits
     torch.Size([1, 49152])
     >>> handle = batch.commit(slot, prompt_ids, len(prompt_ids))
@@ -210,28 +210,28 @@ class LlamaCppBackend(StepBackend):
         for seq in seqs:
             self.store.release(seq)
 
-    def ensure_kv(self, rows: Sequence[Sequence[int]], extra: int) -> list[SeqHandle]:
+    def ensure_kv(self, rows: Sequence[Sequence[int]], grow_by: int) -> list[SeqHandle]:
         """Store every ``row[:-1]``, computing only uncached tails; hard-pinned handles on
         them (see ``base.Batch.add``).  Refused before any compute where the rows, each
-        growing by ``extra``, cannot fit even an empty cache."""
+        growing by ``grow_by``, cannot fit even an empty cache."""
         if not rows:
             return []
         if any(len(r) == 0 for r in rows):
             raise ValueError("every row needs at least one token")
-        self._check_fits([tuple(r[:-1]) for r in rows], extra)
+        self._check_fits([tuple(r[:-1]) for r in rows], grow_by)
         return ensure_stored(self.store, rows, self._run_tails, self.count)
 
-    def _check_fits(self, targets: list[tuple[int, ...]], extra: int) -> None:
+    def _check_fits(self, targets: list[tuple[int, ...]], grow_by: int) -> None:
         """Refuse, before any compute, a call that cannot fit even in an empty cache."""
-        longest = max(len(t) for t in targets) + extra
+        longest = max(len(t) for t in targets) + grow_by
         cells, carriers = trie_size(targets)
-        cells += len(targets) * extra
+        cells += len(targets) * grow_by
         seqs = len(targets) + carriers
         usable = self.store.capacity
         if longest > self.n_ctx or cells > self.n_ctx:
             raise ContextOverflowError(
                 f"this call needs up to {max(longest, cells)} KV cells (rows of up to {longest} "
-                f"tokens, {len(targets)} rows growing by {extra}) but the llama.cpp context has "
+                f"tokens, {len(targets)} rows growing by {grow_by}) but the llama.cpp context has "
                 f"n_ctx={self.n_ctx}; load the model with a larger n_ctx or run fewer rows")
         if seqs > usable:
             need = seqs + RESERVED_SEQS

@@ -25,7 +25,7 @@ class Engine(Protocol):
 
     def guarded(self) -> AbstractContextManager[None]: ...
 
-    def ensure_kv(self, rows: Sequence[Sequence[int]], extra: int) -> list[SeqHandle]: ...
+    def ensure_kv(self, rows: Sequence[Sequence[int]], grow_by: int) -> list[SeqHandle]: ...
 
     def fork(self, handles: Sequence[SeqHandle]) -> list[int]: ...
 
@@ -97,10 +97,10 @@ class LlamaCppBatch:
             [s.seq], s.base = self._backend.fork([s.base]), None
         return s.seq
 
-    def add(self, rows: Sequence[Sequence[int]], extra: int) -> list[int]:
+    def add(self, rows: Sequence[Sequence[int]], grow_by: int) -> list[int]:
         """New slots holding each ``row[:-1]``'s KV, computing only uncached tails."""
         with self._backend.guarded():
-            handles = self._backend.ensure_kv(rows, extra)
+            handles = self._backend.ensure_kv(rows, grow_by)
             return [self._new(None, h, h.length, _scratch_from(h)) for h in handles]
 
     def forward(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:

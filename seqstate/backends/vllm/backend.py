@@ -13,6 +13,7 @@ them in vLLM's names.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,11 +25,12 @@ from seqstate.backends.base import Capabilities, RequestBackend, Scored, Token, 
 from seqstate.backends.vllm.client import Client
 from seqstate.backends.vllm.wire import vllm_xargs
 from seqstate.constraints import spec as keys
-from seqstate.errors import CapabilityError, EngineError
+from seqstate.errors import ArgumentError, CapabilityError, EngineError
+from seqstate.finish import FinishReason
 from seqstate.sampling.params import Greedy, Multinomial, Sampler
 
 __all__ = ["VllmBackend", "RemoteHandle", "Token", "sampling_of", "SCORE_CONCURRENCY",
-           "MAX_LOGPROB_IDS"]
+           "MAX_LOGPROB_IDS", "VLLM_RANGES"]
 
 SCORE_CONCURRENCY = 32       # scoring requests in flight at once (vLLM batches them)
 MAX_LOGPROB_IDS = 128        # vLLM's bound on one request's ``logprob_token_ids``
@@ -44,8 +46,24 @@ class RemoteHandle:
         return RemoteHandle(min(n, self.length))
 
 
+# vLLM's own bounds on what `sampling_of` sends (``SamplingParams._verify_args``, vLLM 0.32),
+# as (lowest, highest, whether each end is allowed): the server answers a value outside
+# with HTTP 400 only once the request is sent.  `Multinomial` already bounds ``top_p`` and
+# ``min_p`` alike (and ``top_k >= 1``, which vLLM accepts); temperature above 2, penalties
+# outside [-2, 2] and an infinite repetition penalty are the engine's own limits.
+VLLM_RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "temperature": (0.0, 2.0, True, True),
+    "presence_penalty": (-2.0, 2.0, True, True),
+    "frequency_penalty": (-2.0, 2.0, True, True),
+    "repetition_penalty": (0.0, math.inf, False, False),
+    "top_p": (0.0, 1.0, False, True),
+    "min_p": (0.0, 1.0, True, True),
+}
+
+
 def sampling_of(sampler: Sampler) -> dict[str, Any]:
-    """The sampler as vLLM's sampling parameters; `CapabilityError` for one it has not."""
+    """The sampler as vLLM's sampling parameters; `CapabilityError` for one it has not,
+    `ArgumentError` for a value outside vLLM's range (`VLLM_RANGES`)."""
     if type(sampler) is Greedy:
         return {"temperature": 0.0}
     if type(sampler) is Multinomial:
@@ -54,7 +72,14 @@ def sampling_of(sampler: Sampler) -> dict[str, Any]:
                                "presence_penalty": sampler.presence_penalty,
                                "frequency_penalty": sampler.frequency_penalty}
         cuts = {"top_k": sampler.top_k, "top_p": sampler.top_p, "min_p": sampler.min_p}
-        return {**out, **{name: value for name, value in cuts.items() if value is not None}}
+        out.update((name, value) for name, value in cuts.items() if value is not None)
+        for name, value in out.items():
+            if name in VLLM_RANGES and not _within(value, *VLLM_RANGES[name]):
+                raise ArgumentError(
+                    f"{name}={value!r} is outside vLLM's range {_range(*VLLM_RANGES[name])}: "
+                    "the server refuses it.  Use a value in that range, or the hf or "
+                    "llama.cpp engine, which take any value the sampler accepts")
+        return out
     raise CapabilityError(
         f"the sampler {sampler!r} runs on next-token logits, which the server does not send; "
         "use ss.greedy() or ss.multinomial(...) there, or the hf or llama.cpp engine",
@@ -93,7 +118,8 @@ class VllmBackend(RequestBackend):
 
     # -- whole requests ------------------------------------------------------------------------
     def check_sampler(self, sampler: Sampler) -> None:
-        """`CapabilityError` for a sampler vLLM has not (`sampling_of`)."""
+        """Before any request: `CapabilityError` for a sampler vLLM has not, `ArgumentError`
+        naming a parameter whose value is outside vLLM's range (`sampling_of`)."""
         sampling_of(sampler)
 
     def complete(self, tokens: Sequence[int], *, max_tokens: int, sampler: Sampler,
@@ -209,6 +235,16 @@ class VllmBackend(RequestBackend):
         self.client.close()
 
 
+def _within(value: float, low: float, high: float, with_low: bool, with_high: bool) -> bool:
+    return ((low <= value if with_low else low < value)
+            and (value <= high if with_high else value < high))
+
+
+def _range(low: float, high: float, with_low: bool, with_high: bool) -> str:
+    """The interval as written in mathematics: ``[-2, 2]``, ``(0, 1]``, ``(0, inf)``."""
+    return f"{'[' if with_low else '('}{low:g}, {high:g}{']' if with_high else ')'}"
+
+
 def _concurrently(fn, items: Sequence[Any]) -> dict[Any, Any]:
     """``fn`` of each distinct item (hashable), up to `SCORE_CONCURRENCY` requests in flight
     at once (vLLM batches them)."""
@@ -239,9 +275,9 @@ def _tokens(choice: dict[str, Any], keep: int = 0) -> Iterator[Token]:
         yield Token(index, None, None, False, _finish(finish))
 
 
-def _finish(reason: str | None) -> str | None:
-    """vLLM's finish reason as `Token.finish`: ``"length"`` is ``"max_tokens"``, any other
-    (an EOS token, the plugin ending a constraint) ``"stop"``."""
+def _finish(reason: str | None) -> FinishReason | None:
+    """vLLM's finish reason as `Token.finish`: ``"length"`` is ``max_tokens``, any other
+    (an EOS token, the plugin ending a constraint) ``stop``."""
     if reason is None:
         return None
-    return "max_tokens" if reason == "length" else "stop"
+    return FinishReason.MAX_TOKENS if reason == "length" else FinishReason.STOP

@@ -1,0 +1,81 @@
+"""What a model's calls ask of its engine: the `Runner` protocol.
+
+A model has one runner (``model.runner``), picked by its backend's kind: the
+`seqstate.engine.scheduler.Scheduler` on an engine that steps rows (concurrent calls share
+decode steps), the `seqstate.engine.requests.RequestRunner` on a server (each row a
+request).  Generators, option scoring and states reach the engine only through these six
+methods, so they run the same on every engine; tests/test_runner.py holds every runner to
+these exact signatures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from seqstate.backends.base import Handle, Scored
+from seqstate.engine.rows import LiveRow, RowRequest, RowResult
+from seqstate.hooks import DEFAULT_MAX_BACKTRACKS
+from seqstate.sampling.params import BeamSearch, Sampler
+
+__all__ = ["Runner", "unobserved"]
+
+
+def unobserved(rows: list[LiveRow]) -> tuple[()]:
+    """``run``'s default ``observe``: nothing to deliver after a step."""
+    return ()
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """The engine side of a model's calls: decode, beam search, scoring, stored prefixes.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> from seqstate.engine.runner import Runner
+    >>> isinstance(ss.models.testing.tiny().runner, Runner)
+    True
+    """
+
+    def run(self, requests: Sequence[RowRequest], sampler: Sampler,
+            rng: torch.Generator | None, hooks: Sequence = (),
+            max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
+            observe: Callable[[list[LiveRow]], Sequence[Any]] = unobserved,
+            speculate: bool = True) -> Generator[Any, None, list[RowResult]]:
+        """Continue every row (sampled with ``sampler`` and ``rng``, run through ``hooks``);
+        yields what ``observe`` returns as the rows advance, returns one result per row.
+        ``speculate``: verify the tokens a constraint forces in one forward, where the
+        engine can."""
+        ...
+
+    def generate(self, requests: Sequence[RowRequest], sampler: Sampler,
+                 rng: torch.Generator | None = None, hooks: Sequence = (),
+                 max_backtracks: int = DEFAULT_MAX_BACKTRACKS, speculate: bool = True
+                 ) -> list[RowResult]:
+        """`run` to its end: the results."""
+        ...
+
+    def beam(self, groups: Sequence[Sequence[tuple[RowRequest, float, int]]],
+             params: BeamSearch, on_step: Callable[[], None] | None = None
+             ) -> Generator[None, None, list[list[tuple[RowResult, float, int]]]]:
+        """Beam-search each group (one batch item's incoming beams: request, weight,
+        length).  Returns, per group, up to ``width`` ``(result, score, origin)`` triples
+        sorted best-first; ``origin`` is the index of the incoming beam (within its group)
+        the result descends from.  ``on_step`` runs after every step."""
+        ...
+
+    def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+              store: bool = False) -> list[Scored]:
+        """Teacher-forced log-probs of each pair's continuation after its prefix."""
+        ...
+
+    def next_logprobs(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Float32 log-softmax ``(len(rows), V)`` of the next token after each row."""
+        ...
+
+    def stored(self, rows: Sequence[Sequence[int]]) -> list[Handle]:
+        """Handles on the KV of each ``row[:-1]``."""
+        ...
