@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import seqstate as ss
+from fake_cuda import FakeCuda, OnDevice, to_fake_cuda
 from seqstate.backends.hf.loader import device_of
 from seqstate.call import Call
 from seqstate.sampling.functions import race_sample
@@ -272,3 +273,67 @@ def test_lm_eval_llamacpp_takes_only_the_cpu():
 
     with pytest.raises(ss.ArgumentError, match="runs on the CPU"):
         SeqStateLM(engine="llama.cpp", path="model.gguf", device="cuda:0")
+
+
+# -- the engine on a CUDA device made of CPU memory (tests/fake_cuda.py) ------------------------
+# Every tensor that meets the logits must be on their device, or torch raises as CUDA would;
+# the values are the CPU's, so results equal the CPU engine's exactly.  Not covered: a
+# generator made on CUDA (seed= there needs a CUDA build): calls pass a CPU rng= instead.
+@pytest.fixture(scope="module")
+def fake():
+    src = ss.models.testing.tiny()
+    model = ss.models.from_hf(to_fake_cuda(src.hf_model), src.hf_tokenizer)
+    model.backend.on_worker_start = lambda: FakeCuda().__enter__()   # the worker's thread
+    return model
+
+
+def test_the_fake_device_refuses_what_cuda_refuses():
+    logits = OnDevice(torch.zeros(2, 8))
+    with pytest.raises(RuntimeError, match="same device"):
+        logits.masked_fill_(torch.ones(8, dtype=torch.bool), 0.0)
+    with pytest.raises(RuntimeError, match="generator"):
+        torch.empty_like(logits).exponential_(generator=torch.Generator())
+    with pytest.raises(RuntimeError, match="same device"):
+        logits.index_select(0, torch.tensor([0]))
+    logits[torch.tensor([1])] = float("-inf")               # CPU indexes: allowed on CUDA
+    assert logits.device == torch.device("cuda", 0) and logits[1].tolist() == [float("-inf")] * 8
+
+
+SAMPLER = ss.multinomial(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.3,
+                         presence_penalty=0.4)
+PROGRAMS = {
+    "greedy batch": lambda m: ss.text(m)(["Hello there", "Hi"], max_tokens=6),
+    "regex": lambda m: ss.regex(m, r"[0-9]{2}-[a-z]{2}")("Code: "),
+    "json": lambda m: ss.json(m, {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                  "required": ["ok"]})("Record: "),
+    "banned phrase": lambda m: ss.text(m)("Hello there", max_tokens=6,
+                                          hooks=[ss.hooks.ban_phrases(["a", "e"])]),
+    "sampled, rng": lambda m: ss.text(m)("Hello", num_samples=3, sampler=SAMPLER, max_tokens=6,
+                                         rng=torch.Generator().manual_seed(4)),
+    "beam search": lambda m: ss.text(m)("Hello", sampler=ss.beam_search(2), max_tokens=4),
+}
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_the_engine_runs_on_a_cuda_device(fake, tiny, program):
+    with FakeCuda():
+        ours = PROGRAMS[program](fake)
+    assert ours.token_ids == PROGRAMS[program](tiny).token_ids
+    assert fake.device == torch.device("cuda", 0)
+
+
+def test_scoring_forks_and_slices_run_on_a_cuda_device(fake, tiny):
+    def run(model):
+        state = ss.text(model)("The capital of France", max_tokens=6)
+        forked = ss.text(model)(state[..., :-2], num_samples=2, sampler=SAMPLER, max_tokens=3,
+                                rng=torch.Generator().manual_seed(1))
+        scores = forked.score([" is", " was not"])
+        return forked, scores, forked.next_logprobs()
+
+    with FakeCuda():
+        ours = run(fake)
+    theirs = run(tiny)
+    assert ours[0].token_ids == theirs[0].token_ids
+    assert ours[1].logprobs == theirs[1].logprobs
+    assert ours[2].device == torch.device("cuda", 0)
+    assert torch.equal(ours[2].inner, theirs[2])
