@@ -67,10 +67,9 @@ def device_of(device: str | torch.device) -> torch.device:
     --------
     >>> device_of("cpu")
     device(type='cpu')
-    >>> device_of("cuda:7") if not torch.cuda.is_available() else None   # doctest: +ELLIPSIS
+    >>> device_of("cuda:99")            # doctest: +IGNORE_EXCEPTION_DETAIL
     Traceback (most recent call last):
-    ...
-    seqstate.errors.ArgumentError: device='cuda:7' asked for, but torch ... sees no CUDA device ...
+    ArgumentError: device='cuda:99' asked for, but torch sees no such device
     """
     try:
         where = torch.device(device)
