@@ -24,7 +24,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install llamacpp vllm demo test docs bench clean chromium
+.PHONY: install llamacpp vllm demo test gpu-check docs bench clean chromium
 
 install: $(STAMP)
 
@@ -80,6 +80,11 @@ chromium:
 test: $(STAMP) $(LLAMA) $(VLLM) chromium
 	SEQSTATE_REQUIRE_LLAMACPP=1 SEQSTATE_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q tests docs README.md seqstate grammars --markdown-docs --markdown-docs-syntax=superfences --doctest-modules
 	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+# The exactness subset on CUDA (tests/gpu/; `make test` runs it on the CPU); without a CUDA
+# device it prints "no CUDA device: nothing run" and succeeds.
+gpu-check: $(STAMP)
+	$(BIN)/python tests/gpu/check.py
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict --site-dir site

@@ -207,7 +207,14 @@ class Call:
         stops = self._stop_list()
         return StopMatcher(stops) if stops else None
 
-    def generator(self) -> torch.Generator | None:
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """The call's random generator: ``rng`` as given, or one seeded with ``seed`` on
+        ``device`` (the model's, where its logits are sampled).  Seeded calls are reproducible
+        per device, not across devices: CUDA's generator draws other numbers than the CPU's
+        from the same seed (drawing on the CPU and copying would cost a (rows, vocabulary)
+        transfer per step)."""
         if self.rng is not None:
             return self.rng
-        return None if self.seed is None else torch.Generator().manual_seed(int(self.seed))
+        if self.seed is None:
+            return None
+        return torch.Generator(device=device).manual_seed(int(self.seed))

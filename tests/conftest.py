@@ -12,6 +12,11 @@ import seqstate as ss  # noqa: E402
 from seqstate.backends.base import single_threaded_torch  # noqa: E402
 
 
+def pytest_addoption(parser):
+    # tests/gpu/ runs on this device: the CPU in `make test`, CUDA in `make gpu-check`
+    parser.addoption("--device", default="cpu", help="device of tests/gpu/ (default: cpu)")
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """A 2-layer random Llama with the real tokenizer; shared, so tests must not assume an empty store."""

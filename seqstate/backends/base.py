@@ -233,6 +233,8 @@ class Backend(Protocol):
     vocab_size: int                   # logits per position
     context_length: int               # positions the model takes (its trained context)
     store: Any = None
+    # where its logits live: host memory where a library or a server hands them over
+    device: torch.device = torch.device("cpu")
 
     def kv_stats(self) -> dict[str, int]:
         """KV accounting for the model's ``stats``: ``kv_bytes_held``, ``kv_bytes_cached``,

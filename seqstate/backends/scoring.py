@@ -28,6 +28,7 @@ import torch
 
 from seqstate.backends.base import Handle, Scored
 from seqstate.backends.prefixes import common_prefix
+from seqstate.sampling.functions import check_logprobs
 
 __all__ = ["score_pairs", "prefix_groups", "store_rows", "SCORE_BATCH_TOKENS", "LOGITS_BYTES",
            "CHUNK"]
@@ -90,7 +91,7 @@ def _last_logprobs(backend: Any, prefixes: Sequence[Sequence[int]],
         slots = batch.add(rows, 1)
         logits = batch.forward(slots, [r[-1] for r in rows])                   # (G, V)
         for i in range(len(rows)):
-            consume(i, logits[i].log_softmax(-1))
+            consume(i, check_logprobs(logits[i].log_softmax(-1)))
         del logits
         for slot, row in zip(slots, rows):
             batch.commit(slot, row, len(row))
@@ -231,10 +232,10 @@ def _feed(batch: Any, pairs: list, work: list, lps: list[list[float]],
     feeds = [list(pairs[js[0]][1][fed: fed + run]) for _, fed, js, run in work]
     logits = batch.extend([slot for slot, _, _, _ in work], feeds)
     for (_, fed, js, run), out in zip(work, logits):
-        logprobs = out.log_softmax(-1)                                         # (run, V)
+        logprobs = check_logprobs(out.log_softmax(-1))                         # (run, V)
         best = logprobs.argmax(-1)
         for j in js:
-            targets = torch.tensor(pairs[j][1][fed + 1: fed + 1 + run])
+            targets = torch.tensor(pairs[j][1][fed + 1: fed + 1 + run], device=out.device)
             lps[j].extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
             top[j].extend((best == targets).tolist())
     return [(slot, fed + run, js) for slot, fed, js, run in work]

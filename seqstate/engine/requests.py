@@ -271,7 +271,8 @@ class RequestRunner:
                                    _budget(req, len(req.tokens), req.max_new, ctx))
         out = list(groups.values())
         if type(sampler) is not Greedy:
-            seeds = torch.randint(0, 2**62, (len(out),), generator=rng).tolist()
+            seeds = torch.randint(0, 2**62, (len(out),), generator=rng,
+                                  device="cpu" if rng is None else rng.device).tolist()
             for request, seed in zip(out, seeds):
                 request.seed = seed
         return out

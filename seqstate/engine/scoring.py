@@ -23,6 +23,7 @@ import torch
 from seqstate.backends.base import Handle, Scored
 from seqstate.backends.scoring import prefix_groups, store_rows
 from seqstate.engine.job import Job
+from seqstate.sampling.functions import check_logprobs
 
 __all__ = ["score", "next_logprobs", "score_in_parts", "next_in_batch", "store_in_parts",
            "BackendJob", "NextJob"]
@@ -135,7 +136,7 @@ class NextJob(Job):
         return list(self.slots), [[row[-1]] for row in self.rows]
 
     def step(self, batch, logits: list[torch.Tensor]) -> bool:
-        out = torch.stack([lg[-1].float().log_softmax(-1) for lg in logits])
+        out = check_logprobs(torch.stack([lg[-1].float().log_softmax(-1) for lg in logits]))
         for slot, row in zip(self.slots, self.rows):
             batch.commit(slot, row, len(row))
         self._release(batch)
@@ -148,7 +149,7 @@ def next_in_batch(scheduler, rows: Sequence[Sequence[int]]) -> torch.Tensor:
     budget join it one after another (`NextJob`)."""
     backend = scheduler.model.backend
     distinct = list(dict.fromkeys(tuple(r) for r in rows))
-    out = torch.empty(len(distinct), backend.vocab_size)
+    out = torch.empty(len(distinct), backend.vocab_size, device=backend.device)
     for group in prefix_groups(backend, distinct):
         out[group] = scheduler.run_job(NextJob([distinct[i] for i in group]))
     where = {row: i for i, row in enumerate(distinct)}

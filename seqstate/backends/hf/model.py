@@ -44,10 +44,6 @@ class HFModel(BaseModel):
                 self.hf_tokenizer]
 
     @property
-    def device(self) -> torch.device:
-        return self.backend.device
-
-    @property
     def dtype(self) -> torch.dtype:
         return self.backend.dtype
 
