@@ -102,14 +102,15 @@ class HFBackend(StepBackend):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor, cache: Any, *, logits: bool | str | int = True
+                position_ids: torch.Tensor, cache: Any, *,
+                logits: bool | str | torch.Tensor = True
                 ) -> torch.Tensor | None:
         """Run ``input_ids`` (B, T) over ``cache``; last-position logits (B, V) in float32 or None.
 
         ``attention_mask`` (B, past + T) may be None when no row is padded; a 4-D float mask
         (B, 1, T, past + T) is used as it is (`seqstate.backends.hf.packed`).
         ``logits=False`` skips the LM head (prefill); ``logits="all"`` returns every
-        position's (B, T, V), an int ``k`` the last ``k`` positions' (B, k, V).
+        position's (B, T, V), a ``(B, k)`` tensor of positions those positions' (B, k, V).
         Refused (`seqstate.ActivationHookError`) on a hooked model outside ``frozen_store()``.
         """
         self.guard.check()
@@ -133,7 +134,7 @@ class HFBackend(StepBackend):
             if logits is True:
                 out = self.hf_model(**kwargs, logits_to_keep=1)
                 return out.logits[:, -1, :].float()               # (B, V)
-            keep = 0 if logits == "all" else logits
+            keep = 0 if isinstance(logits, str) else logits
             return self.hf_model(**kwargs, logits_to_keep=keep).logits.float()   # (B, k, V)
         finally:
             if threads < team:

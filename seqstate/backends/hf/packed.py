@@ -10,10 +10,10 @@ tokens a row at about the cost of one), so here a group of contexts takes one fo
    each once (`seqstate.backends.hf.prefill.ensure_shared_kv`).
 2. Each context is one row: its stored KV as the past, then its own uncached tail (its last
    token included, whose distribution scores every continuation's first token), then the
-   trie of its continuations' ``c[:-1]``, one column per trie node.  A 4-D mask lets a tail
+   trie of its continuations' ``c[:-1]``, one column per trie node (rows right-aligned).  A 4-D mask lets a tail
    token see the past and the tail before it, and a trie node the past, the whole tail and
-   its ancestors; positions are explicit.  Logits are kept for the tail's last column and
-   the trie's columns only.
+   its ancestors; positions are explicit.  Logits are kept for each row's tail's last column
+   and its trie's columns only.
 3. Each tail's KV is stored (the context's own KV, which later calls reuse); the trie's is
    scratch and dropped.
 
@@ -121,50 +121,54 @@ def score_packed(backend: Any, pairs: Sequence[tuple[Sequence[int], Sequence[int
 def _cost(group: list[_Row], vocab: int) -> tuple[int, int, int]:
     """(KV columns, logits bytes, rows) of ``group`` in one forward."""
     past = max(r.handle.length for r in group)
-    tail = max(len(r.tail) for r in group)
+    width = max(len(r.tail) + len(r.tokens) for r in group)
     trie = max(len(r.tokens) for r in group)
-    return len(group) * (past + tail + trie), len(group) * (trie + 1) * 4 * vocab, len(group)
+    return len(group) * (past + width), len(group) * (trie + 1) * 4 * vocab, len(group)
 
 
 def _score_group(backend: Any, group: list[_Row], pairs: list[Pair]
                  ) -> list[tuple[int, Scored]]:
     """One forward over ``group``'s rows; each tail stored; every pair's log-probs."""
     past = max(r.handle.length for r in group)
-    wt = max(len(r.tail) for r in group)
+    width = max(len(r.tail) + len(r.tokens) for r in group)
     wc = max(len(r.tokens) for r in group)
-    width = wt + wc
     buf = KVBuffer(backend.num_layers, backend.kv_heads, backend.head_dim, len(group),
                    past + width, backend.dtype, backend.device)
     ids = torch.full((len(group), width), backend.pad_token_id, dtype=torch.long)   # (B, T)
     pos = torch.zeros((len(group), width), dtype=torch.long)                        # (B, T)
     see = torch.zeros((len(group), width, past + width), dtype=torch.bool)          # (B, T, P+T)
     see[:, torch.arange(width), past + torch.arange(width)] = True     # padding sees itself
+    keep = torch.full((len(group), 1 + wc), width - 1, dtype=torch.long)            # (B, 1+wc)
+    ends = []
     for i, row in enumerate(group):
         h, tail, n = row.handle, row.tail, len(row.tokens)
         buf.load(i, h, past)
-        lo = wt - len(tail)                        # the tail right-aligned before the trie
-        ids[i, lo:wt] = torch.tensor(tail)
-        pos[i, lo:wt] = torch.arange(h.length, len(row.prefix))
+        end = width - n                             # tail then trie, right-aligned
+        lo = end - len(tail)
+        ends.append(end)
+        ids[i, lo:end] = torch.tensor(tail)
+        pos[i, lo:end] = torch.arange(h.length, len(row.prefix))
         see[i, :, past - h.length: past] = True                       # everyone sees the past
-        see[i, lo:wt, past + lo: past + wt] = torch.ones(len(tail), len(tail),
-                                                         dtype=torch.bool).tril()
-        see[i, wt:wt + n, past + lo: past + wt] = True             # the trie sees the tail
+        see[i, lo:end, past + lo: past + end] = torch.ones(len(tail), len(tail),
+                                                           dtype=torch.bool).tril()
+        see[i, end:, past + lo: past + end] = True                 # the trie sees the tail
+        keep[i, : 1 + n] = torch.arange(end - 1, width)
         for k, (parent, token) in enumerate(zip(row.parents, row.tokens)):
-            ids[i, wt + k] = token
+            ids[i, end + k] = token
             if parent >= 0:                        # a node sees its ancestors (parents first)
-                see[i, wt + k, past + wt: past + wt + n] = see[i, wt + parent,
-                                                               past + wt: past + wt + n]
-                pos[i, wt + k] = pos[i, wt + parent] + 1
+                see[i, end + k, past + end: past + width] = see[i, end + parent,
+                                                                past + end: past + width]
+                pos[i, end + k] = pos[i, end + parent] + 1
             else:
-                pos[i, wt + k] = len(row.prefix)
-            see[i, wt + k, past + wt + k] = True
+                pos[i, end + k] = len(row.prefix)
+            see[i, end + k, past + end + k] = True
     buf.length = past
     mask = torch.zeros(see.shape, dtype=backend.dtype)
     mask.masked_fill_(~see, torch.finfo(backend.dtype).min)
     device = backend.device
     scratch = backend.store.frozen        # read before the forward: what it computes is scratch
     logits = backend.forward(ids.to(device), mask[:, None].to(device), pos.to(device),
-                             as_cache(buf), logits=wc + 1)                   # (B, 1 + wc, V)
+                             as_cache(buf), logits=keep.to(device))          # (B, 1 + wc, V)
     backend.count(prefill_tokens=sum(len(r.tail) - 1 for r in group),
                   decode_tokens=sum(1 + len(r.tokens) for r in group))
     out = []
@@ -177,6 +181,6 @@ def _score_group(backend: Any, group: list[_Row], pairs: list[Pair]
             got = logprobs[at, targets]
             out.append((j, Scored(tuple(got.tolist()), tuple((best[at] == targets).tolist()))))
         backend.store.extend(row.prefix, row.handle.length,
-                             buf.take(i, past + wt - len(row.tail), past + wt),
+                             buf.take(i, past + ends[i] - len(row.tail), past + ends[i]),
                              base=row.handle, scratch=scratch)
     return out
