@@ -1,6 +1,6 @@
 """`make bench`: every suite on the real default model, ratios against peers in the same run.
 
-``python -m benchmarks [suite ...] [--questions N] [--batch-sizes 1,8,32]``: the options are
+``python -m benchmarks [suite ...] [--questions N] [--batch-sizes 8,32]``: the options are
 the scoring suite's (the first N ARC-Easy questions; lm-eval HF backend batch sizes).
 """
 
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> None:
                         help=f"suites to run (default: all): {', '.join(SUITES)}")
     parser.add_argument("--questions", type=int, default=None,
                         help="scoring: the first N ARC-Easy questions (default: all 570)")
-    parser.add_argument("--batch-sizes", default="1,8,32",
+    parser.add_argument("--batch-sizes", default="8,32",
                         help="scoring: lm-eval HF backend batch sizes, the fastest kept")
     args = parser.parse_args(argv)
     unknown = [s for s in args.suites if s not in SUITES]

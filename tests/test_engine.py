@@ -155,11 +155,16 @@ def test_stop_string_across_tokens(tiny):
     assert tiny.vocab.decode(res.tokens[res.start:]) == text[: text.index(stop) + len(stop)]
 
 
-def test_a_small_forward_runs_on_one_thread_and_restores_the_callers_team(tiny):
+@pytest.mark.parametrize("free", [64, 1])
+def test_a_small_forward_runs_on_one_thread_and_restores_the_callers_team(tiny, monkeypatch,
+                                                                          free):
     """Decoding a short row runs torch single-threaded (waking a team costs more than its
-    attention saves); longer rows keep torch's threads; the calling thread ends as it began."""
+    attention saves); longer rows keep torch's threads where the CPUs are free and run on
+    the free ones where other processes hold the rest; the calling thread ends as it began."""
+    from seqstate.backends.hf import backend
     from seqstate.backends.hf.backend import SERIAL_COLUMNS
 
+    monkeypatch.setattr(backend, "free_cpus", lambda: free)
     seen = []                         # torch's threads inside each decode forward
     hook = tiny.hf_model.register_forward_pre_hook(
         lambda module, args: seen.append(torch.get_num_threads()))
@@ -174,8 +179,29 @@ def test_a_small_forward_runs_on_one_thread_and_restores_the_callers_team(tiny):
                 batch.close()
     finally:
         hook.remove()
-    assert seen == [1, before, 1]
+    assert seen == [1, min(before, free), 1]
     assert torch.get_num_threads() == before
+
+
+def test_free_cpus_discounts_other_processes_running(monkeypatch):
+    """Two spinning processes beside this one on its CPUs leave it fewer free (at least 1)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from seqstate.backends.base import free_cpus
+
+    cpus = len(os.sched_getaffinity(0))
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        time.sleep(0.5)
+        seen = min(free_cpus() for _ in range(20))
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert 1 <= seen <= max(1, cpus - 2)
 
 
 def test_work_counters_are_declared_once(tiny):

@@ -58,6 +58,8 @@ INTERNAL: dict[tuple[str, str, str], str] = {
     ("seqstate/backends/scoring.py", "score_pairs", "ValueError"):
         "empty continuations are refused with ArgumentError/ConstraintError before (scores.py, "
         "choice options); " + _PROTOCOL,
+    ("seqstate/backends/hf/packed.py", "score_packed", "ValueError"):
+        "the same check as score_pairs on the HF engine's packed path; " + _PROTOCOL,
     ("seqstate/engine/scheduler.py", "Scheduler._receive", "RuntimeError"):
         "the worker thread reports every exception of a call to it; this is a worker that "
         "died without reporting (a seqstate bug), and the next call starts a new one",

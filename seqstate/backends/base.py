@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -33,7 +34,7 @@ from seqstate.finish import FinishReason
 
 __all__ = ["Capabilities", "WorkCounters", "Handle", "Scored", "Token", "Batch", "Backend",
            "StepBackend", "RequestBackend", "CacheFullError",
-           "openmp", "single_threaded_torch"]
+           "openmp", "single_threaded_torch", "free_cpus"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -354,3 +355,24 @@ def single_threaded_torch() -> None:
     omp = openmp()
     if omp is not None:
         omp.omp_set_num_threads(1)
+
+
+def free_cpus() -> int:
+    """CPUs of this process's affinity that no other process's runnable thread holds now
+    (at least 1): the kernel's count of runnable threads (``/proc/loadavg``) less this
+    process's own.  A sample, not an average: ``os.getloadavg()`` lags by a minute, and an
+    OpenMP team of more threads than free CPUs waits at every barrier for a thread the
+    scheduler has parked behind another process (2-thread forwards slow 5-10x beside two
+    busy processes on 2 cores, 1-thread ones hold).  Where ``/proc`` cannot be read, every
+    CPU counts as free."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+        own = 0
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/stat") as f:
+                own += f.read().rpartition(")")[2].split()[0] == "R"
+    except (OSError, ValueError, IndexError):
+        return cpus
+    return max(1, cpus - max(0, running - own))

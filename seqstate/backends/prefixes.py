@@ -11,7 +11,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["SHARED_PREFIX_MIN", "common_prefix", "shared_prefixes", "trie_size", "ensure_stored"]
+__all__ = ["SHARED_PREFIX_MIN", "common_prefix", "shared_prefixes", "trie_size", "ensure_stored",
+           "ensure_shared"]
 
 # a shared uncached prefix this long is prefilled once for all: any length, so the tokens
 # computed are exactly the trie of the rows (a round per level of nesting; a short prefix
@@ -68,6 +69,32 @@ def ensure_stored(store: Any, rows: Sequence[Sequence[int]],
     referred to, was evicted (each shared prefix once).
     """
     targets = [tuple(r[:-1]) for r in rows]
+    unique = _account(store, targets, count)
+    # what this call computed: pinned until it returns, and found here even where the store
+    # will not match it (scratch KV, computed inside `frozen_store()`)
+    made: dict[tuple[int, ...], Any] = {}
+    _prefill(store, unique, run_tails, made)
+    return [_lookup(store, t, made) for t in targets]
+
+
+def ensure_shared(store: Any, targets: Sequence[Sequence[int]],
+                  run_tails: Callable[[list[tuple[tuple[int, ...], Any]]], list[Any]],
+                  count: Callable[..., None]) -> list[Any]:
+    """`ensure_stored` without the targets' own tails: only what two or more ``targets``
+    share beyond the store is computed (once, nested shares by rounds).  Returns a
+    hard-pinned handle per target on its longest prefix with KV, for the caller to feed the
+    rest (a tail no other target shares) in its own forward."""
+    targets = [tuple(t) for t in targets]
+    unique = _account(store, targets, count)
+    made: dict[tuple[int, ...], Any] = {}
+    while shared := shared_prefixes(unique, [_lookup(store, t, made).length for t in unique]):
+        _prefill(store, shared, run_tails, made)
+    return [_lookup(store, t, made) for t in targets]
+
+
+def _account(store: Any, targets: list[tuple[int, ...]], count: Callable[..., None]
+             ) -> list[tuple[int, ...]]:
+    """The distinct targets, having counted what the store holds of them and what it lost."""
     unique = list(dict.fromkeys(targets))
     stored = [store.match(t).length for t in unique]
     count(cached_tokens_reused=sum(stored))
@@ -75,11 +102,7 @@ def ensure_stored(store: Any, rows: Sequence[Sequence[int]],
         lost = [t[:store.tree.lost_end(t)] for t in unique]
         again = trie_size(lost)[0] - trie_size([t[:n] for t, n in zip(unique, stored)])[0]
         count(recomputed_tokens=again)
-    # what this call computed: pinned until it returns, and found here even where the store
-    # will not match it (scratch KV, computed inside `frozen_store()`)
-    made: dict[tuple[int, ...], Any] = {}
-    _prefill(store, unique, run_tails, made)
-    return [_lookup(store, t, made) for t in targets]
+    return unique
 
 
 def _lookup(store: Any, target: tuple[int, ...], made: dict[tuple[int, ...], Any]) -> Any:

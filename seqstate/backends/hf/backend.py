@@ -13,20 +13,25 @@ from typing import Any
 
 import torch
 
-from seqstate.backends.base import Capabilities, Scored, StepBackend, WorkCounters, openmp
+from seqstate.backends.base import (Capabilities, Scored, StepBackend, WorkCounters, free_cpus,
+                                    openmp)
 from seqstate.backends.hf.batch import HFBatch
 from seqstate.backends.hf.guard import HookGuard
 from seqstate.backends.hf.store import DEFAULT_BUDGET_BYTES, KVStore
+from seqstate.backends.hf.packed import score_packed
 from seqstate.backends.scoring import score_pairs
 
 __all__ = ["HFBackend", "SERIAL_TOKENS", "SERIAL_COLUMNS"]
 
-# A forward this small runs on one thread: it feeds at most SERIAL_TOKENS tokens over at most
-# SERIAL_COLUMNS (rows x KV columns).  Its only parallel regions are attention over a few
-# short rows (~20 us a layer on one thread here), about what handing half to a second thread
-# costs.  And once a second thread (the caller's) has run torch, each keeps an OpenMP team,
-# and libgomp, then managing more threads than CPUs, lets idle team members sleep instead of
-# spin: the worker's decode paid a wake-up for each of its ~2 regions a layer.
+# The thread policy of every forward.  A forward this small runs on one thread: it feeds at
+# most SERIAL_TOKENS tokens over at most SERIAL_COLUMNS (rows x KV columns).  Its only
+# parallel regions are attention over a few short rows (~20 us a layer on one thread here),
+# about what handing half to a second thread costs.  And once a second thread (the caller's)
+# has run torch, each keeps an OpenMP team, and libgomp, then managing more threads than CPUs,
+# lets idle team members sleep instead of spin: the worker's decode paid a wake-up for each of
+# its ~2 regions a layer.  A larger forward runs on the thread's team, cut to the CPUs no
+# other process is running on at that moment (`free_cpus`): a team member parked behind a
+# busy process stalls every barrier of the forward.
 SERIAL_TOKENS = 4
 SERIAL_COLUMNS = 512
 
@@ -97,12 +102,15 @@ class HFBackend(StepBackend):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor, cache: Any, *, logits: bool | str = True
+                position_ids: torch.Tensor, cache: Any, *,
+                logits: bool | str | torch.Tensor = True
                 ) -> torch.Tensor | None:
         """Run ``input_ids`` (B, T) over ``cache``; last-position logits (B, V) in float32 or None.
 
-        ``attention_mask`` (B, past + T) may be None when no row is padded.  ``logits=False``
-        skips the LM head (prefill); ``logits="all"`` returns every position's (B, T, V).
+        ``attention_mask`` (B, past + T) may be None when no row is padded; a 4-D float mask
+        (B, 1, T, past + T) is used as it is (`seqstate.backends.hf.packed`).
+        ``logits=False`` skips the LM head (prefill); ``logits="all"`` returns every
+        position's (B, T, V), a ``(B, k)`` tensor of positions those positions' (B, k, V).
         Refused (`seqstate.ActivationHookError`) on a hooked model outside ``frozen_store()``.
         """
         self.guard.check()
@@ -110,23 +118,27 @@ class HFBackend(StepBackend):
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids, past_key_values=cache, use_cache=True)
         rows, new = input_ids.shape
-        serial = (self._omp is not None and rows * new <= SERIAL_TOKENS
-                  and rows * (cache.get_seq_length() + new) <= SERIAL_COLUMNS)
-        if serial:
+        threads = team = 0
+        if self._omp is not None:
             torch.get_num_threads()               # torch sizes this thread's team lazily: first
-            threads = self._omp.omp_get_max_threads()
-            self._omp.omp_set_num_threads(1)      # this thread's team only, until restored
+            team = self._omp.omp_get_max_threads()
+            small = (rows * new <= SERIAL_TOKENS
+                     and rows * (cache.get_seq_length() + new) <= SERIAL_COLUMNS)
+            threads = 1 if small else min(team, free_cpus())
+            if threads < team:
+                self._omp.omp_set_num_threads(threads)  # this thread's team only, until restored
         try:
-            if not logits:
+            if logits is False:
                 self._decoder(**kwargs)                            # prefill: skip the LM head
                 return None
-            if logits == "all":
-                return self.hf_model(**kwargs, logits_to_keep=0).logits.float()   # (B, T, V)
-            out = self.hf_model(**kwargs, logits_to_keep=1)
-            return out.logits[:, -1, :].float()                   # (B, V)
+            if logits is True:
+                out = self.hf_model(**kwargs, logits_to_keep=1)
+                return out.logits[:, -1, :].float()               # (B, V)
+            keep = 0 if isinstance(logits, str) else logits
+            return self.hf_model(**kwargs, logits_to_keep=keep).logits.float()   # (B, k, V)
         finally:
-            if serial:
-                self._omp.omp_set_num_threads(threads)
+            if threads < team:
+                self._omp.omp_set_num_threads(team)
 
     @torch.inference_mode()
     def fresh_logits(self, tokens: Sequence[int]) -> torch.Tensor:
@@ -147,5 +159,6 @@ class HFBackend(StepBackend):
 
     def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
               store: bool = False) -> list[Scored]:
-        """See ``Backend.score``: `seqstate.backends.scoring` over this engine's batches."""
-        return score_pairs(self, pairs, store=store)
+        """See ``Backend.score``: a group of contexts a forward (`seqstate.backends.hf.packed`);
+        with ``store=True``, `seqstate.backends.scoring` over this engine's batches."""
+        return score_pairs(self, pairs, store=True) if store else score_packed(self, pairs)

@@ -17,9 +17,9 @@ from seqstate.backends.hf.buffer import KVBuffer
 from seqstate.backends.hf.cache import as_cache
 from seqstate.backends.hf.guard import HookGuard
 from seqstate.backends.hf.store import KVHandle, KVStore
-from seqstate.backends.prefixes import SHARED_PREFIX_MIN, ensure_stored
+from seqstate.backends.prefixes import SHARED_PREFIX_MIN, ensure_shared, ensure_stored
 
-__all__ = ["ensure_kv", "run_tails", "Network", "SHARED_PREFIX_MIN", "PREFILL_CHUNK",
+__all__ = ["ensure_kv", "ensure_shared_kv", "run_tails", "Network", "SHARED_PREFIX_MIN", "PREFILL_CHUNK",
            "PREFILL_BATCH_TOKENS"]
 
 
@@ -104,4 +104,13 @@ def ensure_kv(backend: Network, rows: Sequence[Sequence[int]]) -> list[KVHandle]
     ``frozen_store()`` is refused first (`seqstate.ActivationHookError`)."""
     backend.guard.check(rescan=True)
     return ensure_stored(backend.store, rows, lambda todo: _run_packed(backend, todo),
+                         backend.count)
+
+
+def ensure_shared_kv(backend: Network, targets: Sequence[Sequence[int]]) -> list[KVHandle]:
+    """Compute what two or more ``targets`` share beyond the store, once; hard-pinned handles
+    on each target's longest prefix with KV (`seqstate.backends.prefixes.ensure_shared`).
+    A hooked model outside ``frozen_store()`` is refused first."""
+    backend.guard.check(rescan=True)
+    return ensure_shared(backend.store, targets, lambda todo: _run_packed(backend, todo),
                          backend.count)
