@@ -17,7 +17,7 @@ from seqstate.errors import LogitsError
 from seqstate.hooks import Replace, Rollback, SampleEvent, checked
 from seqstate.sampling.params import Greedy, Sampler
 
-__all__ = ["Stepper", "StepEvent", "allowed_mask", "DEFAULT_MAX_BACKTRACKS"]
+__all__ = ["Stepper", "StepEvent", "allowed_mask", "allowed_masks", "DEFAULT_MAX_BACKTRACKS"]
 
 DEFAULT_MAX_BACKTRACKS = 32
 
@@ -45,6 +45,39 @@ def allowed_mask(row: LiveRow, vocab_size: int) -> torch.Tensor | None:
         mask[allowed.shape[0]:] = False
     if banned:
         mask[list(banned)] = False
+    return mask
+
+
+def allowed_masks(rows: Sequence[LiveRow], vocab_size: int,
+                  device: torch.device) -> torch.Tensor | None:
+    """Bool masks (B, V) on ``device``: every row's `allowed_mask` at once, or None when no row
+    is constrained or banned.
+
+    Cursors of one kind compute their masks together (`Cursor.prepare`: llguidance fills
+    a batch's bitmasks in parallel); the masks, cached on the CPU by their constraints, are
+    stacked and moved to ``device`` in one copy.
+    """
+    cursors = [r.cursor for r in rows]
+    bans = [r.bans.get(len(r.tokens)) for r in rows]
+    constrained = [j for j, c in enumerate(cursors) if c is not None]
+    if not constrained and not any(bans):
+        return None
+    kinds: dict[type, list] = {}
+    for j in constrained:
+        kinds.setdefault(type(cursors[j]), []).append(cursors[j])
+    for kind, group in kinds.items():
+        kind.prepare(group)
+    parts = [cursors[j].allowed() for j in constrained]                        # (V_tok,) each
+    if len(constrained) == len(rows) and all(p.shape[0] == vocab_size for p in parts):
+        mask = torch.stack(parts).to(device, non_blocking=True)                    # (B, V)
+    else:
+        mask = torch.ones(len(rows), vocab_size, dtype=torch.bool, device=device)  # (B, V)
+        for j, part in zip(constrained, parts):
+            mask[j, : part.shape[0]] = part.to(device, non_blocking=True)
+            mask[j, part.shape[0]:] = False
+    for j, banned in enumerate(bans):
+        if banned:
+            mask[j, torch.tensor(sorted(banned), dtype=torch.long, device=device)] = False
     return mask
 
 
@@ -118,35 +151,50 @@ class Stepper:
                               "dtype=torch.float32 (or bfloat16 rather than float16), else check "
                               "its weights or the custom step that made these logits")
         logits = logits.float()
-        # 1. constrain: disallowed tokens get -inf; a row with nothing allowed is a dead end
         logprobs = logits.log_softmax(dim=-1)                                           # (B, V)
-        masks = [allowed_mask(self.rows[i], logits.shape[-1]) for i in live]
-        # hooks' resampling bans write into `masked`; with neither hooks nor masks it is `logits`
-        constrained = self.hooks or any(m is not None for m in masks)
-        masked = logits.clone() if constrained else logits
-        events = []
-        for j, (i, m) in enumerate(zip(live, masks)):
-            if m is not None:
-                if not m.any():
-                    self.rows[i].finish("dead_end")
-                    events.append(StepEvent(i, None, "", finish_reason="dead_end"))
-                    m = torch.ones_like(m)
-                masked[j].masked_fill_(~m, float("-inf"))
-        # 2. sample every row at once
-        chosen = self._choose(masked, live).tolist()                                    # (B,)
+        # 1. constrain: disallowed tokens get -inf; a row with nothing allowed is a dead end
+        allowed = allowed_masks([self.rows[i] for i in live], logits.shape[-1], logits.device)
+        if allowed is None:
+            # hooks' resampling bans write into `masked`; with neither it is `logits`
+            masked = logits.clone() if self.hooks else logits
+        else:
+            masked = torch.where(allowed, logits, float("-inf"))                       # (B, V)
+        events = self._dead_ends(live, allowed, logits, masked)
+        # 2. sample every row at once; the model's own log-prob of each sampled token
+        sampled = self._choose(masked, live)                                            # (B,)
+        chosen = sampled.tolist()
+        picked = logprobs.gather(1, sampled.long()[:, None]).squeeze(1).tolist()       # (B,)
         # 3. hooks may replace, resample or roll back; 4. accept
         for j, i in enumerate(live):
             row = self.rows[i]
             if row.done:
                 continue
-            token, rolled = self._run_hooks(row, i, chosen[j], logits[j], logprobs[j], masked[j])
+            token, rolled = (self._run_hooks(row, i, chosen[j], logits[j], logprobs[j], masked[j])
+                             if self.hooks else (chosen[j], 0))
             if row.done or rolled:
                 events.append(StepEvent(i, None, "", rolled, row.finish_reason))
                 continue
             before = len(row.tokens)
-            chunk = row.accept(token, logprobs[j, token].item())
+            logprob = picked[j] if token == chosen[j] else logprobs[j, token].item()
+            chunk = row.accept(token, logprob)
             accepted = token if len(row.tokens) > before else None   # EOS is not appended
             events.append(StepEvent(i, accepted, chunk, 0, row.finish_reason))
+        return events
+
+    def _dead_ends(self, live: Sequence[int], allowed: torch.Tensor | None,
+                   logits: torch.Tensor, masked: torch.Tensor) -> list[StepEvent]:
+        """Finish the rows whose masks allow nothing; they sample from their unmasked logits
+        (the token is dropped).  Only a row whose masked peak is -inf can be one: one
+        reduction over (B, V), then a look at those rows alone."""
+        if allowed is None:
+            return []
+        events = []
+        peaks = masked.amax(dim=-1)                                                     # (B,)
+        for j in (peaks == float("-inf")).nonzero().flatten().tolist():
+            if not allowed[j].any():
+                self.rows[live[j]].finish("dead_end")
+                events.append(StepEvent(live[j], None, "", finish_reason="dead_end"))
+                masked[j] = logits[j]
         return events
 
     def _choose(self, masked: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
