@@ -32,12 +32,19 @@ def prompts(model, gens: dict[str, object], rows: int) -> list[list[int]]:
     every program decodes its whole budget: greedy may pick EOS where a constraint accepts
     (the regex after one letter), so prompts whose rows would end early are left out."""
     base = model.encode("Write about the word")
-    tried = [base + [1000 + i] for i in range(16 * rows)]
-    full = tried
-    for gen in gens.values():
-        full = [p for p, c in zip(full, tokens_per_row(run(model, gen, full), full)) if c >= NEW]
+    full: list[list[int]] = []
+    tried = 0
+    while len(full) < rows and tried < 16 * rows:       # in chunks: a real model's are slow
+        chunk = [base + [1000 + i] for i in range(tried, tried + rows)]
+        tried += rows
+        for gen in gens.values():
+            if not chunk:
+                break
+            chunk = [p for p, c in zip(chunk, tokens_per_row(run(model, gen, chunk), chunk))
+                     if c >= NEW]
+        full += chunk
     if len(full) < rows:
-        raise RuntimeError(f"only {len(full)} of {len(tried)} prompts run {NEW} tokens "
+        raise RuntimeError(f"only {len(full)} of {tried} prompts run {NEW} tokens "
                            f"in every program on {model.name}; {rows} are needed")
     return full[:rows]
 

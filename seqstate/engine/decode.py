@@ -65,11 +65,13 @@ class DecodeJob(Job):
     # A job outlives its call where its error's traceback is kept (worker frames hold jobs):
     # once the caller has its result, the job holds no handle: its KV is the caller's alone.
     def finish(self, result: Any) -> None:
+        self.stepper.close()
         super().finish(result)
         self.results = {}
 
     def fail(self, batch, exc: BaseException) -> None:
         self.results = {}
+        self.stepper.close()
         super().fail(batch, exc)
 
     def wants(self) -> tuple[list[int], list[list[int]]]:

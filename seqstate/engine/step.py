@@ -8,10 +8,13 @@ detokenization.  It knows nothing about KV.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from seqstate.backends.base import single_threaded_torch
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.errors import LogitsError
 from seqstate.hooks import Replace, Rollback, SampleEvent, checked
@@ -20,6 +23,9 @@ from seqstate.sampling.params import Greedy, Sampler
 __all__ = ["Stepper", "StepEvent", "allowed_mask", "allowed_masks", "DEFAULT_MAX_BACKTRACKS"]
 
 DEFAULT_MAX_BACKTRACKS = 32
+# logits (rows x vocab) from which a CPU step computes the log-softmax on a helper thread while
+# it masks and samples (torch releases the GIL): below it, handing over costs more than it saves
+OVERLAP_ELEMENTS = 1 << 19
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -114,6 +120,7 @@ class Stepper:
         self.sampler, self.rng = sampler, rng
         self.hooks = tuple(hooks)
         self.max_backtracks = max_backtracks
+        self._helper: ThreadPoolExecutor | None = None
 
     @property
     def live(self) -> list[int]:
@@ -127,6 +134,24 @@ class Stepper:
     def tokens(self, i: int) -> list[int]:
         """Row ``i``'s tokens so far (the logits to feed are the next token's after these)."""
         return list(self.rows[i].tokens)
+
+    def close(self) -> None:
+        """End the helper thread, if one was started (a garbage-collected stepper ends it too)."""
+        if self._helper is not None:
+            self._helper.shutdown(wait=False)
+            self._helper = None
+
+    def _log_softmax(self, logits: torch.Tensor):
+        """``() -> logits.log_softmax(-1)``: on a large CPU batch computed on a helper thread
+        from now on, beside the masks and the sampler, and waited for when called."""
+        if logits.device.type != "cpu" or logits.numel() < OVERLAP_ELEMENTS:
+            done = logits.log_softmax(dim=-1)
+            return lambda: done
+        if self._helper is None:
+            # one thread of its own, single-threaded torch: no OpenMP team to spin beside ours
+            self._helper = ThreadPoolExecutor(1, "seqstate-step", initializer=single_threaded_torch)
+            weakref.finalize(self, self._helper.shutdown, wait=False)
+        return self._helper.submit(torch.log_softmax, logits, -1).result
 
     def results(self, handles: Sequence | None = None) -> list[RowResult]:
         return [r.result(handles[i] if handles else None) for i, r in enumerate(self.rows)]
@@ -151,7 +176,7 @@ class Stepper:
                               "dtype=torch.float32 (or bfloat16 rather than float16), else check "
                               "its weights or the custom step that made these logits")
         logits = logits.float()
-        logprobs = logits.log_softmax(dim=-1)                                           # (B, V)
+        pending = self._log_softmax(logits)                                             # (B, V)
         # 1. constrain: disallowed tokens get -inf; a row with nothing allowed is a dead end
         allowed = allowed_masks([self.rows[i] for i in live], logits.shape[-1], logits.device)
         if allowed is None:
@@ -163,6 +188,7 @@ class Stepper:
         # 2. sample every row at once; the model's own log-prob of each sampled token
         sampled = self._choose(masked, live)                                            # (B,)
         chosen = sampled.tolist()
+        logprobs = pending()                                                            # (B, V)
         picked = logprobs.gather(1, sampled.long()[:, None]).squeeze(1).tolist()       # (B,)
         # 3. hooks may replace, resample or roll back; 4. accept
         for j, i in enumerate(live):
