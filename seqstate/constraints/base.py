@@ -26,6 +26,12 @@ class Cursor(ABC):
     def allowed(self) -> torch.Tensor:
         """Bool mask (V,) of tokens allowed next; EOS ids are allowed when ``accepting``."""
 
+    @classmethod
+    def prepare(cls, cursors: list[Cursor]) -> None:
+        """Compute the ``allowed`` masks of several cursors of this class together, before the
+        engine asks each for its own (one step's rows).  Nothing by default: each computes
+        its mask when asked."""
+
     @abstractmethod
     def advance(self, token: int) -> Cursor | None:
         """The cursor after ``token`` (which must be allowed); None once nothing is constrained."""

@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable
 
 import llguidance
+import llguidance.numpy
 from llguidance import TokenizerWrapper
 import numpy as np
 import torch
@@ -51,6 +52,12 @@ def _tokenizer(model) -> llguidance.LLTokenizer:
     vocab, eos = model.vocab, min(model.eos_token_ids)
     return vocab.table(("llguidance", eos), lambda: llguidance.LLTokenizer(
         TokenizerWrapper(_Tokens(vocab, eos)), n_vocab=vocab.size))
+
+
+def _executor(model) -> llguidance.LLExecutor:
+    """llguidance's thread pool that fills a batch's masks in parallel (without the GIL):
+    one per tokenizer, kept with its vocabulary tables."""
+    return model.vocab.table("llguidance-executor", llguidance.LLExecutor)
 
 
 def _limits() -> llguidance.LLParserLimits:
@@ -97,6 +104,7 @@ class GrammarConstraint(Constraint):
         self.vocab_size = model.vocab.size
         self.eos = sorted(model.eos_token_ids)
         self.tokenizer = _tokenizer(model)
+        self.executor = _executor(model)
         self.grammar = serialized or llguidance.LLMatcher.grammar_from_lark(lark)
         try:
             self._origin = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0,
@@ -182,11 +190,29 @@ class GrammarCursor(Cursor):
         ``complete`` does), and shared, so callers must not write to it."""
         if self._mask is None:
             packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-            bits = np.unpackbits(packed, bitorder="little")[: self.constraint.vocab_size]
-            bits = bits.view(bool)                                                 # (V,)
-            bits[self.constraint.eos] = self.accepting
-            self._bits, self._mask = bits, torch.from_numpy(bits)
+            self._keep(np.unpackbits(packed, bitorder="little"))
         return self._mask
+
+    @classmethod
+    def prepare(cls, cursors: list[GrammarCursor]) -> None:
+        """Fill the masks of the cursors that lack one in one parallel llguidance call per
+        grammar's executor (it releases the GIL), unpacked together."""
+        todo = list({id(c): c for c in cursors if c._mask is None}.values())
+        if len(todo) < 2:
+            return
+        first = todo[0].constraint
+        packed = llguidance.numpy.allocate_token_bitmask(len(todo), first.vocab_size)  # (n, W)
+        llguidance.numpy.fill_next_token_bitmask_par(
+            first.executor, [(c.matcher, k) for k, c in enumerate(todo)], packed)
+        bits = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")   # (n, 32 W)
+        for c, row in zip(todo, bits):
+            c._keep(row[: c.constraint.vocab_size].copy())   # its own: a cursor outlives the step
+
+    def _keep(self, bits: np.ndarray) -> None:
+        """Cache the unpacked mask ``bits`` (uint8, >= V), EOS allowed where accepting."""
+        bits = bits[: self.constraint.vocab_size].view(bool)                       # (V,)
+        bits[self.constraint.eos] = self.accepting
+        self._bits, self._mask = bits, torch.from_numpy(bits)
 
     def advance(self, token: int) -> GrammarCursor:
         m = self.matcher.deep_copy()

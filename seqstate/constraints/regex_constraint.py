@@ -118,6 +118,7 @@ class RegexConstraint(Constraint):
             raise ConstraintError(f"cannot compile regex {pattern!r}: {exc}; check the pattern "
                                   "(Python `re` syntax, no lookarounds or backreferences)") from exc
         self._masks: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._complete: dict[int, bool] = {}     # per automaton state: bounded by its size
 
     @classmethod
     def from_index(cls, index: Index, model) -> RegexConstraint:
@@ -157,6 +158,17 @@ class RegexConstraint(Constraint):
             self._masks.move_to_end(state)
         return m
 
+    def complete(self, state: int) -> bool:
+        """``state`` accepts and no token can follow it (asked after every token: cached)."""
+        found = self._complete.get(state)
+        if found is None:
+            found = False
+            if self.index.is_final_state(state):
+                m = self.mask(state).clone()
+                m[self.eos] = False
+                found = not bool(m.any())
+            self._complete[state] = found
+        return found
 
     def draft(self, state: int) -> tuple[int, ...]:
         """The canonical tokens of the text every match must continue with from ``state``.
@@ -282,8 +294,4 @@ class RegexCursor(Cursor):
 
     @property
     def complete(self) -> bool:
-        if not self.accepting:
-            return False
-        m = self.allowed().clone()
-        m[self.constraint.eos] = False
-        return not bool(m.any())
+        return self.constraint.complete(self.state)

@@ -65,11 +65,13 @@ class DecodeJob(Job):
     # A job outlives its call where its error's traceback is kept (worker frames hold jobs):
     # once the caller has its result, the job holds no handle: its KV is the caller's alone.
     def finish(self, result: Any) -> None:
+        self.stepper.close()
         super().finish(result)
         self.results = {}
 
     def fail(self, batch, exc: BaseException) -> None:
         self.results = {}
+        self.stepper.close()
         super().fail(batch, exc)
 
     def wants(self) -> tuple[list[int], list[list[int]]]:
@@ -92,7 +94,7 @@ class DecodeJob(Job):
         mine = dict(zip(live, logits))
         following, j, accepted = live, 0, 0
         while following:
-            events = self.stepper.step(torch.stack([mine[i][j] for i in following]), following)
+            events = self.stepper.step(_rows([mine[i][j] for i in following]), following)
             kept = {ev.row for ev in events if ev.token is not None and not ev.rolled_back
                     and not self.rows[ev.row].done and j + 1 < len(self.feeds[ev.row])
                     and ev.token == self.feeds[ev.row][j + 1]}
@@ -117,6 +119,19 @@ class DecodeJob(Job):
             self.finish([self.results[i] for i in range(len(self.rows))])
             return True
         return False
+
+
+def _rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """The rows (V,) as one (B, V) tensor: a view where they are already consecutive rows of
+    one tensor (a step's logits, every row fed one token), else a stacked copy."""
+    first = rows[0]
+    step = first.shape[0] * first.element_size()
+    base, storage = first.data_ptr(), first.untyped_storage().data_ptr()
+    if first.stride(0) == 1 and all(r.data_ptr() == base + k * step
+                                    and r.untyped_storage().data_ptr() == storage
+                                    for k, r in enumerate(rows)):
+        return first.as_strided((len(rows), first.shape[0]), (first.shape[0], 1))
+    return torch.stack(rows)                                                        # (B, V)
 
 
 def run(model, requests: Sequence[RowRequest], sampler: Sampler,

@@ -8,19 +8,25 @@ detokenization.  It knows nothing about KV.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from seqstate.backends.base import single_threaded_torch
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.errors import LogitsError
 from seqstate.finish import FinishReason
 from seqstate.hooks import Replace, Rollback, SampleEvent, checked
 from seqstate.sampling.params import Greedy, Sampler
 
-__all__ = ["Stepper", "StepEvent", "allowed_mask", "DEFAULT_MAX_BACKTRACKS"]
+__all__ = ["Stepper", "StepEvent", "allowed_mask", "allowed_masks", "DEFAULT_MAX_BACKTRACKS"]
 
 DEFAULT_MAX_BACKTRACKS = 32
+# logits (rows x vocab) from which a CPU step computes the log-softmax on a helper thread while
+# it masks and samples (torch releases the GIL): below it, handing over costs more than it saves
+OVERLAP_ELEMENTS = 1 << 19
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,6 +53,39 @@ def allowed_mask(row: LiveRow, vocab_size: int,
         mask[allowed.shape[0]:] = False
     if banned:
         mask[list(banned)] = False
+    return mask
+
+
+def allowed_masks(rows: Sequence[LiveRow], vocab_size: int,
+                  device: torch.device) -> torch.Tensor | None:
+    """Bool masks (B, V) on ``device``: every row's `allowed_mask` at once, or None when no row
+    is constrained or banned.
+
+    Cursors of one kind compute their masks together (`Cursor.prepare`: llguidance fills
+    a batch's bitmasks in parallel); the masks, cached on the CPU by their constraints, are
+    stacked and moved to ``device`` in one copy.
+    """
+    cursors = [r.cursor for r in rows]
+    bans = [r.bans.get(len(r.tokens)) for r in rows]
+    constrained = [j for j, c in enumerate(cursors) if c is not None]
+    if not constrained and not any(bans):
+        return None
+    kinds: dict[type, list] = {}
+    for j in constrained:
+        kinds.setdefault(type(cursors[j]), []).append(cursors[j])
+    for kind, group in kinds.items():
+        kind.prepare(group)
+    parts = [cursors[j].allowed() for j in constrained]                        # (V_tok,) each
+    if len(constrained) == len(rows) and all(p.shape[0] == vocab_size for p in parts):
+        mask = torch.stack(parts).to(device, non_blocking=True)                    # (B, V)
+    else:
+        mask = torch.ones(len(rows), vocab_size, dtype=torch.bool, device=device)  # (B, V)
+        for j, part in zip(constrained, parts):
+            mask[j, : part.shape[0]] = part.to(device, non_blocking=True)
+            mask[j, part.shape[0]:] = False
+    for j, banned in enumerate(bans):
+        if banned:
+            mask[j, torch.tensor(sorted(banned), dtype=torch.long, device=device)] = False
     return mask
 
 
@@ -83,6 +122,7 @@ class Stepper:
         self.sampler, self.rng = sampler, rng
         self.hooks = tuple(hooks)
         self.max_backtracks = max_backtracks
+        self._helper: ThreadPoolExecutor | None = None
 
     @property
     def live(self) -> list[int]:
@@ -96,6 +136,24 @@ class Stepper:
     def tokens(self, i: int) -> list[int]:
         """Row ``i``'s tokens so far (the logits to feed are the next token's after these)."""
         return list(self.rows[i].tokens)
+
+    def close(self) -> None:
+        """End the helper thread, if one was started (a garbage-collected stepper ends it too)."""
+        if self._helper is not None:
+            self._helper.shutdown(wait=False)
+            self._helper = None
+
+    def _log_softmax(self, logits: torch.Tensor):
+        """``() -> logits.log_softmax(-1)``: on a large CPU batch computed on a helper thread
+        from now on, beside the masks and the sampler, and waited for when called."""
+        if logits.device.type != "cpu" or logits.numel() < OVERLAP_ELEMENTS:
+            done = logits.log_softmax(dim=-1)
+            return lambda: done
+        if self._helper is None:
+            # one thread of its own, single-threaded torch: no OpenMP team to spin beside ours
+            self._helper = ThreadPoolExecutor(1, "seqstate-step", initializer=single_threaded_torch)
+            weakref.finalize(self, self._helper.shutdown, wait=False)
+        return self._helper.submit(torch.log_softmax, logits, -1).result
 
     def results(self, handles: Sequence | None = None) -> list[RowResult]:
         return [r.result(handles[i] if handles else None) for i, r in enumerate(self.rows)]
@@ -120,35 +178,51 @@ class Stepper:
                               "dtype=torch.float32 (or bfloat16 rather than float16), else check "
                               "its weights or the custom step that made these logits")
         logits = logits.float()
+        pending = self._log_softmax(logits)                                             # (B, V)
         # 1. constrain: disallowed tokens get -inf; a row with nothing allowed is a dead end
-        logprobs = logits.log_softmax(dim=-1)                                           # (B, V)
-        masks = [allowed_mask(self.rows[i], logits.shape[-1], logits.device) for i in live]
-        # hooks' resampling bans write into `masked`; with neither hooks nor masks it is `logits`
-        constrained = self.hooks or any(m is not None for m in masks)
-        masked = logits.clone() if constrained else logits
-        events = []
-        for j, (i, m) in enumerate(zip(live, masks)):
-            if m is not None:
-                if not m.any():
-                    self.rows[i].finish(FinishReason.DEAD_END)
-                    events.append(StepEvent(i, None, "", finish_reason=FinishReason.DEAD_END))
-                    m = torch.ones_like(m)
-                masked[j].masked_fill_(~m, float("-inf"))
-        # 2. sample every row at once
-        chosen = self._choose(masked, live).tolist()                                    # (B,)
+        allowed = allowed_masks([self.rows[i] for i in live], logits.shape[-1], logits.device)
+        if allowed is None:
+            # hooks' resampling bans write into `masked`; with neither it is `logits`
+            masked = logits.clone() if self.hooks else logits
+        else:
+            masked = torch.where(allowed, logits, float("-inf"))                       # (B, V)
+        events = self._dead_ends(live, allowed, logits, masked)
+        # 2. sample every row at once; the model's own log-prob of each sampled token
+        sampled = self._choose(masked, live)                                            # (B,)
+        chosen = sampled.tolist()
+        logprobs = pending()                                                            # (B, V)
+        picked = logprobs.gather(1, sampled.long()[:, None]).squeeze(1).tolist()       # (B,)
         # 3. hooks may replace, resample or roll back; 4. accept
         for j, i in enumerate(live):
             row = self.rows[i]
             if row.done:
                 continue
-            token, rolled = self._run_hooks(row, i, chosen[j], logits[j], logprobs[j], masked[j])
+            token, rolled = (self._run_hooks(row, i, chosen[j], logits[j], logprobs[j], masked[j])
+                             if self.hooks else (chosen[j], 0))
             if row.done or rolled:
                 events.append(StepEvent(i, None, "", rolled, row.finish_reason))
                 continue
             before = len(row.tokens)
-            chunk = row.accept(token, logprobs[j, token].item())
+            logprob = picked[j] if token == chosen[j] else logprobs[j, token].item()
+            chunk = row.accept(token, logprob)
             accepted = token if len(row.tokens) > before else None   # EOS is not appended
             events.append(StepEvent(i, accepted, chunk, 0, row.finish_reason))
+        return events
+
+    def _dead_ends(self, live: Sequence[int], allowed: torch.Tensor | None,
+                   logits: torch.Tensor, masked: torch.Tensor) -> list[StepEvent]:
+        """Finish the rows whose masks allow nothing; they sample from their unmasked logits
+        (the token is dropped).  Only a row whose masked peak is -inf can be one: one
+        reduction over (B, V), then a look at those rows alone."""
+        if allowed is None:
+            return []
+        events = []
+        peaks = masked.amax(dim=-1)                                                     # (B,)
+        for j in (peaks == float("-inf")).nonzero().flatten().tolist():
+            if not allowed[j].any():
+                self.rows[live[j]].finish(FinishReason.DEAD_END)
+                events.append(StepEvent(live[j], None, "", finish_reason=FinishReason.DEAD_END))
+                masked[j] = logits[j]
         return events
 
     def _choose(self, masked: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:

@@ -1,0 +1,110 @@
+"""The engine's own cost per decode step: text, JSON and regex calls vs a hand-written loop.
+
+On a model whose forward costs almost nothing (``ss.models.testing.tiny()``, as a forward on a
+GPU is next to the engine's Python), whatever the engine does around the forward shows: masks,
+sampling, bookkeeping, detokenisation.  Every program decodes the same number of tokens per
+row (the figures say how many it did), one thread, timed in turns with a batched HF forward
+loop over a ``DynamicCache``; per decode step = a whole call (prompt prefill included on both
+sides) divided by the tokens per row.
+
+``python -m benchmarks overhead`` runs it on the tiny model and on SmolLM2.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+import seqstate as ss
+from benchmarks.harness import interleaved
+
+NEW = 32
+ROWS = (1, 16, 64)
+# two string fields that cannot close within NEW tokens, so every row runs its whole budget
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "minLength": 120},
+                                           "city": {"type": "string", "minLength": 120}},
+          "required": ["name", "city"]}
+PATTERN = "[a-z ]{1,200}"
+
+
+def prompts(model, gens: dict[str, object], rows: int) -> list[list[int]]:
+    """``rows`` distinct prompts of the same length (no padding in the hand loop) after which
+    every program decodes its whole budget: greedy may pick EOS where a constraint accepts
+    (the regex after one letter), so prompts whose rows would end early are left out."""
+    base = model.encode("Write about the word")
+    full: list[list[int]] = []
+    tried = 0
+    while len(full) < rows and tried < 16 * rows:       # in chunks: a real model's are slow
+        chunk = [base + [1000 + i] for i in range(tried, tried + rows)]
+        tried += rows
+        for gen in gens.values():
+            if not chunk:
+                break
+            chunk = [p for p, c in zip(chunk, tokens_per_row(run(model, gen, chunk), chunk))
+                     if c >= NEW]
+        full += chunk
+    if len(full) < rows:
+        raise RuntimeError(f"only {len(full)} of {tried} prompts run {NEW} tokens "
+                           f"in every program on {model.name}; {rows} are needed")
+    return full[:rows]
+
+
+def hand_loop(model, rows: list[list[int]], n: int) -> torch.Tensor:
+    """Batched greedy decoding: one prefill, then one forward per token over a DynamicCache."""
+    hf = model.hf_model
+    cache = DynamicCache(config=hf.config)
+    out = []
+    with torch.inference_mode():
+        logits = hf(torch.tensor(rows), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        for _ in range(n):
+            tok = logits[:, -1].argmax(-1, keepdim=True)                                # (B, 1)
+            out.append(tok)
+            logits = hf(tok, past_key_values=cache, use_cache=True).logits
+    return torch.cat(out, 1)
+
+
+def programs(model) -> dict[str, object]:
+    # built once (compiled constraints are cached); hooks-free, greedy, no stop strings; the
+    # regex first: it is the one whose rows may end early (see `prompts`)
+    return {"regex": ss.regex(model, PATTERN), "text": ss.text(model), "json": ss.json(model, SCHEMA)}
+
+
+def run(model, gen, rows: list[list[int]]) -> ss.SequenceState:
+    model.store.clear()                  # prefill the prompts every time, as the hand loop does
+    return gen(ss.from_tokens(model, rows), max_tokens=NEW)
+
+
+def tokens_per_row(state, rows: list[list[int]]) -> list[int]:
+    return [len(t) - len(p) for t, p in zip((r for b in state.token_ids for r in b), rows)]
+
+
+def measure(model, label: str, repeat: int) -> None:
+    gens = programs(model)
+    print(f"\n== engine overhead per decode step: {label}, {NEW} new tokens, greedy, 1 thread")
+    print(f"  {'rows':>4} {'hand loop':>10} " + " ".join(f"{n:>18}" for n in gens)
+          + "   tokens/row (min-max)")
+    chosen = prompts(model, gens, max(ROWS))
+    for b in ROWS:
+        rows = chosen[:b]
+        counts = {n: tokens_per_row(run(model, g, rows), rows) for n, g in gens.items()}
+        fns = [lambda: hand_loop(model, rows, NEW)]
+        fns += [lambda g=g: run(model, g, rows) for g in gens.values()]
+        times = interleaved(fns, repeat=repeat)
+        hand = times[0] / NEW
+        cells = [f"{t / NEW * 1e3:7.2f} ms ({t / NEW / hand:4.2f}x)" for t in times[1:]]
+        print(f"  {b:>4} {hand * 1e3:7.2f} ms " + " ".join(f"{c:>18}" for c in cells) + "   "
+              + ", ".join(f"{n} {min(c)}-{max(c)}" for n, c in counts.items()))
+
+
+def main(model, repeat: int = 7) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        measure(ss.models.testing.tiny(), "tiny() (a forward that costs almost nothing)", repeat)
+        measure(model, f"{model.name}", max(3, repeat // 2))
+    finally:
+        torch.set_num_threads(threads)
+
+
+if __name__ == "__main__":
+    main(ss.models.default())
