@@ -44,8 +44,8 @@ WALKED = ["seqstate/engine", "seqstate/sampling", "seqstate/backends/hf", "seqst
 
 _HOST_MASK = ("the attention mask's bookkeeping stays on the host (per-row column writes are "
               "cheap there); _feed copies it to the device once per forward")
-_HOST_INPUTS = ("input ids and positions built from Python lists on the host, copied to the "
-                "device once per forward (.to(device)): one copy instead of one per row")
+_HOST_INPUTS = ("input ids, positions and attention masks built from Python lists on the "
+                "host, copied to the device once per forward (.to(device)): one copy instead of one per row")
 
 # (file, function, factory) -> why this tensor is made on the CPU on purpose.  The function is
 # a qualname, or "Class.*" for every method of a class.
@@ -59,6 +59,11 @@ HOST: dict[tuple[str, str, str], str] = {
     ("seqstate/backends/hf/prefill.py", "run_tails", "zeros"): _HOST_INPUTS,
     ("seqstate/backends/hf/prefill.py", "run_tails", "tensor"): _HOST_INPUTS,
     ("seqstate/backends/hf/prefill.py", "run_tails", "arange"): _HOST_INPUTS,
+    ("seqstate/backends/hf/packed.py", "_score_group", "full"): _HOST_INPUTS,
+    ("seqstate/backends/hf/packed.py", "_score_group", "zeros"): _HOST_INPUTS,
+    ("seqstate/backends/hf/packed.py", "_score_group", "arange"): _HOST_INPUTS,
+    ("seqstate/backends/hf/packed.py", "_score_group", "tensor"): _HOST_INPUTS,
+    ("seqstate/backends/hf/packed.py", "_score_group", "ones"): _HOST_INPUTS,
     ("seqstate/scores.py", "Scores._table", "full"):
         "a table of Python floats for the user (the log-probs already came back as floats), "
         "on the host like state.weights",

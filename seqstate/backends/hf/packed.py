@@ -38,6 +38,7 @@ from seqstate.backends.base import Scored
 from seqstate.backends.hf.buffer import KVBuffer
 from seqstate.backends.hf.cache import as_cache
 from seqstate.backends.hf.prefill import ensure_shared_kv
+from seqstate.sampling.functions import check_logprobs
 from seqstate.backends.hf.store import KVHandle
 
 __all__ = ["score_packed"]
@@ -173,7 +174,7 @@ def _score_group(backend: Any, group: list[_Row], pairs: list[Pair]
                   decode_tokens=sum(1 + len(r.tokens) for r in group))
     out = []
     for i, row in enumerate(group):
-        logprobs = logits[i].log_softmax(-1)                                 # (1 + wc, V)
+        logprobs = check_logprobs(logits[i].log_softmax(-1))                 # (1 + wc, V)
         best = logprobs.argmax(-1)
         for j in row.pairs:
             at = torch.tensor(row.reads[j], device=device) + 1      # kept column 0: the tail's
