@@ -10,10 +10,10 @@ tokens a row at about the cost of one), so here a group of contexts takes one fo
    each once (`seqstate.backends.hf.prefill.ensure_shared_kv`).
 2. Each context is one row: its stored KV as the past, then its own uncached tail (its last
    token included, whose distribution scores every continuation's first token), then the
-   trie of its continuations' ``c[:-1]``, one column per trie node (rows right-aligned).  A 4-D mask lets a tail
-   token see the past and the tail before it, and a trie node the past, the whole tail and
-   its ancestors; positions are explicit.  Logits are kept for each row's tail's last column
-   and its trie's columns only.
+   trie of its continuations' ``c[:-1]``, one column per trie node (rows right-aligned).
+   A 4-D mask lets a tail token see the past and the tail before it, and a trie node the
+   past, the whole tail and its ancestors; positions are explicit.  Logits are kept for each
+   row's tail's last column and its trie's columns only.
 3. Each tail's KV is stored (the context's own KV, which later calls reuse); the trie's is
    scratch and dropped.
 
@@ -38,8 +38,8 @@ from seqstate.backends.base import Scored
 from seqstate.backends.hf.buffer import KVBuffer
 from seqstate.backends.hf.cache import as_cache
 from seqstate.backends.hf.prefill import ensure_shared_kv
-from seqstate.sampling.functions import check_logprobs
 from seqstate.backends.hf.store import KVHandle
+from seqstate.sampling.functions import check_logprobs
 
 __all__ = ["score_packed"]
 
