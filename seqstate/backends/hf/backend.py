@@ -124,7 +124,7 @@ class HFBackend(StepBackend):
             team = self._omp.omp_get_max_threads()
             small = (rows * new <= SERIAL_TOKENS
                      and rows * (cache.get_seq_length() + new) <= SERIAL_COLUMNS)
-            threads = 1 if small else min(team, free_cpus())
+            threads = 1 if small or team <= 1 else min(team, free_cpus())
             if threads < team:
                 self._omp.omp_set_num_threads(threads)  # this thread's team only, until restored
         try:
