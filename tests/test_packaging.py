@@ -39,3 +39,13 @@ def test_the_environment_runs_the_lower_bounds():
             assert name == "llama-cpp-python", f"{name} is not installed"
             continue
         assert installed.split("+")[0] == version, f"{name} {installed}, constraints.txt {version}"
+
+
+def test_the_wheel_lists_every_package():
+    """setuptools ships only the packages pyproject.toml lists: a folder of seqstate's left out
+    imports in an editable install and is missing from the wheel."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
+    listed = set(tool["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts)
+             for p in (ROOT / "seqstate").rglob("__init__.py")}
+    assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
