@@ -7,13 +7,18 @@ row (the figures say how many it did), one thread, timed in turns with a batched
 loop over a ``DynamicCache``; per decode step = a whole call (prompt prefill included on both
 sides) divided by the tokens per row.
 
-``python -m benchmarks overhead`` runs it on the tiny model and on SmolLM2.
+``python -m benchmarks overhead`` runs it on the tiny model and on SmolLM2 (this CPU);
+``python -m benchmarks.overhead --device cuda`` runs it on a GPU, on the tiny model and on a
+random-weight ~0.9B Llama in bfloat16 (a forward that costs what a real one of that size
+costs; no weights needed), where the engine's own cost per step is what a GPU user pays.
 """
 
 from __future__ import annotations
 
+import argparse
+
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import seqstate as ss
 from benchmarks.harness import interleaved
@@ -55,12 +60,13 @@ def hand_loop(model, rows: list[list[int]], n: int) -> torch.Tensor:
     cache = DynamicCache(config=hf.config)
     out = []
     with torch.inference_mode():
-        logits = hf(torch.tensor(rows), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = hf(torch.tensor(rows, device=hf.device), past_key_values=cache, use_cache=True,
+                    logits_to_keep=1).logits
         for _ in range(n):
             tok = logits[:, -1].argmax(-1, keepdim=True)                                # (B, 1)
             out.append(tok)
             logits = hf(tok, past_key_values=cache, use_cache=True).logits
-    return torch.cat(out, 1)
+    return torch.cat(out, 1).cpu()           # the tokens on the host, as a caller reads them
 
 
 def programs(model) -> dict[str, object]:
@@ -106,5 +112,37 @@ def main(model, repeat: int = 7) -> None:
         torch.set_num_threads(threads)
 
 
+def random_llama(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> ss.models.HFModel:
+    """A random-weight Llama of ~0.9B parameters (SmolLM2's tokenizer, 16 layers of 2,048) on
+    ``device``: its forward costs what a real model's of that size does."""
+    tok = ss.models.testing.tiny().hf_tokenizer
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=2048, intermediate_size=5632,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, attn_implementation="sdpa")
+    with torch.device(device), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        hf = LlamaForCausalLM(config).to(dtype).eval()
+    return ss.models.from_hf(hf, tok)
+
+
+def on_device(device: str, repeat: int = 5) -> None:
+    """The suite on ``device``: the tiny model and a random ~0.9B Llama in bfloat16."""
+    where = torch.device(device)
+    name = torch.cuda.get_device_name(where) if where.type == "cuda" else device
+    tiny = ss.models.testing.tiny()
+    torch.set_num_threads(1)
+    measure(ss.models.from_hf(tiny.hf_model.to(where), tiny.hf_tokenizer),
+            f"tiny() on {name}", repeat)
+    measure(random_llama(where), f"a random 0.9B Llama in bfloat16 on {name}", repeat)
+
+
 if __name__ == "__main__":
-    main(ss.models.default())
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead")
+    parser.add_argument("--device", default=None,
+                        help="run on this device (cuda, cuda:1) instead of this CPU")
+    args = parser.parse_args()
+    if args.device is None:
+        main(ss.models.default())
+    else:
+        on_device(args.device)
