@@ -3,8 +3,9 @@
 from seqstate import backends, constraints, engine, grammars, hooks, models, sampling, viz
 from seqstate.batch import BatchError, run_batch
 from seqstate.conversation import chat
-from seqstate.errors import (ActivationHookError, ArgumentError, BatchMismatch, CacheFullError,
-                             CapabilityError, CaptureNotFound, ChatTemplateError, ConstraintError,
+from seqstate.errors import (ActivationHookError, ArgumentError, AuthenticationError,
+                             BatchMismatch, CacheFullError, CapabilityError, CaptureNotFound,
+                             ChatTemplateError, ConstraintError,
                              ContextOverflowError, EngineError, HookError, LogitsError,
                              ModelMismatch, ModelNotAvailable, SampleMismatch, SeqStateError,
                              SlicingError)
@@ -23,5 +24,5 @@ __all__ = [
     "ConstraintError", "ContextOverflowError", "CacheFullError", "ModelNotAvailable", "HookError",
     "ArgumentError",
     "ChatTemplateError", "CapabilityError", "ActivationHookError", "EngineError",
-    "CaptureNotFound", "LogitsError",
+    "AuthenticationError", "CaptureNotFound", "LogitsError",
 ]

@@ -22,6 +22,7 @@ __all__ = [
     "ArgumentError",
     "CapabilityError",
     "EngineError",
+    "AuthenticationError",
     "CaptureNotFound",
     "LogitsError",
 ]
@@ -119,6 +120,13 @@ class EngineError(SeqStateError, ConnectionError):
     """An engine that did not answer: a server unreachable, dead mid-call or refusing a
     request for a reason of its own.  Raised to the caller of the call that met it; every
     existing state stays as it was, and the model is usable again once its engine is."""
+
+
+class AuthenticationError(EngineError, PermissionError):
+    """A server that refused the API key sent (a wrong one) or refused the request for want
+    of one (HTTP 401 or 403), raised before any generation: by ``ss.models.vllm(...)``,
+    whose first request lists the served models.  The message names the server and what to
+    pass (``api_key=``, ``$SEQSTATE_VLLM_API_KEY``)."""
 
 
 class CaptureNotFound(SeqStateError, KeyError):

@@ -99,9 +99,9 @@ def prefill_slack(model) -> int:
     blocks only, so up to one block of the fixture's server (its ``--block-size``)."""
     if model.engine != "vllm":
         return 0
-    from seqstate.backends.vllm.server import FLAGS
+    from seqstate.backends.vllm.server import EXACT
 
-    return int(FLAGS[FLAGS.index("--block-size") + 1])
+    return int(EXACT[EXACT.index("--block-size") + 1])
 
 
 def hf_generate(model, ids: list[int], n: int) -> list[int]:

@@ -73,7 +73,7 @@ INTERNAL: dict[tuple[str, str, str], str] = {
         "caught by Generator._parse: an invalid complete value becomes value None",
     ("seqstate/constraints/json_constraint.py", "_no_duplicates", "ValueError"):
         "json.loads' object_pairs_hook protocol; caught in JsonConstraint._check",
-    ("seqstate/backends/vllm/server.py", "_interrupt", "KeyboardInterrupt"):
+    ("seqstate/backends/vllm/serve.py", "_interrupt", "KeyboardInterrupt"):
         "the SIGTERM handler of `python -m seqstate.vllm serve`: a clean shutdown, not an error",
     ("seqstate/models/__init__.py", "__getattr__", "AttributeError"):
         "a module's __getattr__ protocol (PEP 562): a name the package does not have",

@@ -216,8 +216,12 @@ def test_llamacpp_within_its_noise(llama):
 
 
 def test_arguments_are_checked():
-    with pytest.raises(ss.ArgumentError, match="engine"):
+    with pytest.raises(ss.ArgumentError, match="engine=vllm.*url="):
         SeqStateLM(engine="vllm")
+    with pytest.raises(ss.ArgumentError, match="engine=vllm.*url="):
+        SeqStateLM(engine="vllm", path="model-folder", url="http://127.0.0.1:1")
+    with pytest.raises(ss.ArgumentError, match="url=.*engine=vllm"):
+        SeqStateLM(engine="hf", url="http://127.0.0.1:1")
     with pytest.raises(ss.ArgumentError, match="dtype"):
         SeqStateLM(dtype="float33")
     with pytest.raises(ss.ArgumentError, match="path"):

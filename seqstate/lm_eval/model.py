@@ -43,8 +43,11 @@ class SeqStateLM(TemplateLM):
         A model you already have (``ss.models.default()``, ``ss.models.llamacpp(...)``, ...).
         Without it one is built from ``engine`` and ``path``.
     engine : str, default "hf"
-        The engine of the model built when ``model`` is not given (``"hf"`` or
-        ``"llama.cpp"``, `seqstate.backends.registry`).
+        The engine of the model built when ``model`` is not given (``"hf"``, ``"llama.cpp"``
+        or ``"vllm"``, `seqstate.backends.registry`).  ``vllm`` connects to a running server:
+        ``url=`` (with ``api_key=`` and ``ca_certs=`` where it needs them, as
+        `seqstate.models.vllm` takes them; ``api_key`` defaults to ``$SEQSTATE_VLLM_API_KEY``),
+        and runs in the server's dtype, on the server's device.
     path : str, optional
         A local transformers directory or ``.gguf`` file (``pretrained`` is an alias, as in
         lm-eval's ``hf`` model); None: the default model (SmolLM2-135M-Instruct).
@@ -65,14 +68,16 @@ class SeqStateLM(TemplateLM):
     device : str, optional
         Where a model built here runs on the ``hf`` engine (``"cpu"``, ``"cuda:0"``, ...); a
         device this machine lacks is refused (`seqstate.ArgumentError`) before any weight is
-        read.  The ``llama.cpp`` engine takes only ``"cpu"``.  With ``model=``, it must name
+        read.  The ``llama.cpp`` engine takes only ``"cpu"``; ``vllm`` ignores it (the
+        server's device).  With ``model=``, it must name
         the device that model is on.  ``seqstate-lm-eval`` passes ``cpu`` unless
         ``--device`` says otherwise (lm-eval's own default is ``cuda:0``).
     batch_size, max_batch_size :
         Accepted and ignored: lm-eval's command line always passes them, while the engine
         packs rows under its own token budget.
     **engine_options :
-        Passed to the model loader (``n_ctx``, ``n_threads``, ``n_seq_max`` for llama.cpp).
+        Passed to the model loader (``n_ctx``, ``n_threads``, ``n_seq_max`` for llama.cpp;
+        ``url``, ``api_key``, ``ca_certs``, ``timeout`` for vllm).
 
     Examples
     --------
@@ -275,6 +280,11 @@ def _load(engine: str, path: str | None, dtype: str, device: str | None,
           options: dict[str, Any]) -> Any:
     """The seqstate model ``--model_args engine=...,path=...`` names, on ``device``."""
     registry.get(engine)                          # ArgumentError naming the engines
+    if engine == "vllm":
+        return _connect(path, options)
+    if "url" in options:
+        raise ArgumentError(f"url= names a vLLM server: pass engine=vllm with it (got "
+                            f"engine={engine}, which loads the model here)")
     torch_dtype = getattr(torch, str(dtype), None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ArgumentError(f"dtype must name a torch dtype (float32, bfloat16, ...), got {dtype!r}")
@@ -292,6 +302,16 @@ def _load(engine: str, path: str | None, dtype: str, device: str | None,
     if options:
         raise ArgumentError(f"{sorted(options)} are not options of the hf engine")
     return ss.models.transformers(path, dtype=torch_dtype, **where)
+
+
+def _connect(path: str | None, options: dict[str, Any]) -> Any:
+    """The model on the vLLM server ``url=`` names (``--model_args engine=vllm,url=...``)."""
+    url = options.pop("url", None)
+    if not url or path is not None:
+        raise ArgumentError("engine=vllm scores on a running vLLM server: pass url=... (and "
+                            "api_key=... where it needs a key) instead of a path; start one "
+                            "with `python -m seqstate.vllm serve [--model PATH]`")
+    return ss.models.vllm(str(url), **options)
 
 
 def _check_device(model: Any, device: str | None) -> None:

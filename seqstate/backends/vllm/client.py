@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import urllib3
-from urllib3.exceptions import HTTPError
+from urllib3.exceptions import HTTPError, SSLError
 
-from seqstate.errors import (ArgumentError, ContextOverflowError, EngineError, ModelMismatch,
-                             ModelNotAvailable)
+from seqstate.errors import (ArgumentError, AuthenticationError, ContextOverflowError,
+                             EngineError, ModelMismatch, ModelNotAvailable)
 
 __all__ = ["Client", "POOL_SIZE"]
 
@@ -26,13 +26,30 @@ POOL_SIZE = 64           # kept-alive connections: concurrent requests beyond it
 
 
 class Client:
-    """A pool of keep-alive connections to one server (thread-safe)."""
+    """A pool of keep-alive connections to one server (thread-safe).
 
-    def __init__(self, url: str, *, timeout: float = 600.0, connect_timeout: float = 10.0) -> None:
+    ``url`` is ``http://`` or ``https://`` (a server started with TLS, or a proxy in front
+    of it that terminates TLS).  An https server's certificate is checked against the
+    system's trusted authorities (``$SSL_CERT_FILE`` replaces them), or against
+    ``ca_certs`` (a PEM file: a self-signed certificate, or a private authority's).
+    ``api_key`` goes with every request as ``Authorization: Bearer ...``, the header vLLM's
+    ``--api-key`` checks.
+    """
+
+    def __init__(self, url: str, *, api_key: str | None = None, ca_certs: str | None = None,
+                 timeout: float = 600.0, connect_timeout: float = 10.0) -> None:
         self.url = url.rstrip("/")
+        if not self.url.startswith(("http://", "https://")):
+            raise ArgumentError(f"a vLLM server's URL starts with http:// or https://, got "
+                                f"{url!r}; for example http://127.0.0.1:8000")
+        self.keyed = bool(api_key)
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        tls = {} if ca_certs is None else {"ca_certs": str(ca_certs)}
         self.pool = urllib3.PoolManager(maxsize=POOL_SIZE, block=False, retries=False,
                                         timeout=urllib3.Timeout(connect=connect_timeout,
-                                                                read=timeout))
+                                                                read=timeout), **tls)
         self._open: set[Any] = set()
         self._lock = threading.Lock()
 
@@ -82,11 +99,18 @@ class Client:
         data = None if body is None else json.dumps(body).encode()
         try:
             response = self.pool.request(method, self.url + path, body=data,
-                                         headers={"Content-Type": "application/json"},
-                                         preload_content=not stream)
+                                         headers=self.headers, preload_content=not stream)
+        except SSLError as exc:
+            raise EngineError(f"the TLS handshake with {self.url} failed ({exc}): where the "
+                              "server's certificate is self-signed or from a private "
+                              "authority, pass ca_certs= its PEM file (or set $SSL_CERT_FILE); "
+                              "an http:// server takes an http:// URL") from exc
         except HTTPError as exc:
             raise EngineError(f"the vLLM server at {self.url} did not answer ({exc}); start one "
                               "with `python -m seqstate.vllm serve`") from exc
+        if response.status in (401, 403):
+            response.release_conn()
+            raise self._refused(response.status)
         if response.status >= 400:
             payload = response.data
             response.release_conn()
@@ -105,6 +129,16 @@ class Client:
         except ValueError as exc:
             raise EngineError(f"the vLLM server at {self.url} sent something that is not JSON: "
                               f"{response.data[:200]!r}") from exc
+
+    def _refused(self, status: int) -> AuthenticationError:
+        if self.keyed:
+            return AuthenticationError(
+                f"the vLLM server at {self.url} refused the API key sent ({status}): pass "
+                "api_key= (or set $SEQSTATE_VLLM_API_KEY to) the key the server was started "
+                "with (`python -m seqstate.vllm serve --api-key ...`)")
+        return AuthenticationError(
+            f"the vLLM server at {self.url} needs an API key ({status}) and none was sent: "
+            "pass api_key= to ss.models.vllm, or set $SEQSTATE_VLLM_API_KEY")
 
     def close(self) -> None:
         with self._lock:

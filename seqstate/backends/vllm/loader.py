@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from seqstate.backends.vllm.model import VllmModel
@@ -10,13 +11,19 @@ __all__ = ["vllm"]
 
 
 def vllm(url: str, *, model: str | None = None, tokenizer: Any = None,
-         timeout: float = 600.0, name: str | None = None) -> VllmModel:
+         timeout: float = 600.0, name: str | None = None, api_key: str | None = None,
+         ca_certs: str | os.PathLike | None = None) -> VllmModel:
     """A model on a vLLM server running seqstate's plugin (start one on loopback with
     ``python -m seqstate.vllm serve``): the ``"vllm"`` engine.
 
     ``tokenizer`` defaults to the served folder's (when the server runs on this machine);
-    ``model`` picks one of several served models.  Features that need the whole
+    ``model`` picks one of several served models.  ``api_key`` (default
+    ``$SEQSTATE_VLLM_API_KEY``) is the key a server started with ``--api-key`` checks; a
+    missing or wrong one raises `seqstate.AuthenticationError` here, before any generation.
+    ``https://`` URLs are checked against the system's certificates, or ``ca_certs`` (a PEM
+    file, such as a proxy's self-signed certificate).  Features that need the whole
     distribution at every position (custom samplers, ``model.full_logits``) are refused with
     `seqstate.CapabilityError` before any request; hooks see ``event.logits`` as None.
     """
-    return VllmModel(url, tokenizer, model=model, timeout=timeout, name=name)
+    return VllmModel(url, tokenizer, model=model, timeout=timeout, name=name, api_key=api_key,
+                     ca_certs=ca_certs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,9 @@ from seqstate.backends.vllm.wire import VOCAB_FILE, fingerprint
 from seqstate.errors import ArgumentError, ModelMismatch, ModelNotAvailable
 from seqstate.models.base import BaseModel
 
-__all__ = ["VllmModel"]
+__all__ = ["VllmModel", "API_KEY_ENV"]
+
+API_KEY_ENV = "SEQSTATE_VLLM_API_KEY"
 
 
 class VllmModel(BaseModel):
@@ -31,7 +34,8 @@ class VllmModel(BaseModel):
     Parameters
     ----------
     url : str
-        The server, e.g. ``"http://127.0.0.1:8000"``.
+        The server, e.g. ``"http://127.0.0.1:8000"``, or ``"https://..."`` (a server or a
+        proxy terminating TLS).
     tokenizer : transformers tokenizer or None
         The served model's tokenizer; None reads it from the served folder.  One whose
         vocabulary differs from the one the server's plugin constrains with is refused
@@ -42,11 +46,21 @@ class VllmModel(BaseModel):
         Seconds to wait for the next streamed token before the call fails.
     name : str or None
         The model's name in messages and ``repr`` (None: the served model's id).
+    api_key : str or None
+        The key the server checks (``serve --api-key``); None: ``$SEQSTATE_VLLM_API_KEY``
+        where it is set.  A server that refuses it, or wants one and got none, raises
+        `seqstate.AuthenticationError` here, before any generation.
+    ca_certs : str or None
+        A PEM file of the certificates an ``https://`` server is checked against (a
+        self-signed one, or a private authority's); None: the system's.
     """
 
     def __init__(self, url: str, tokenizer: Any = None, *, model: str | None = None,
-                 timeout: float = 600.0, name: str | None = None) -> None:
-        client = Client(url, timeout=timeout)
+                 timeout: float = 600.0, name: str | None = None, api_key: str | None = None,
+                 ca_certs: str | os.PathLike | None = None) -> None:
+        if api_key is None:
+            api_key = os.environ.get(API_KEY_ENV) or None
+        client = Client(url, api_key=api_key, ca_certs=ca_certs, timeout=timeout)
         served = _served(client, model)
         # the served folder, where the server says where (never this process's working directory)
         folder = Path(served["root"]) if served.get("root") else None

