@@ -25,6 +25,7 @@ import pytest
 
 import seqstate as ss
 from seqstate.backends.vllm.server import EXACT, FLAGS, Server, loopback, server_python
+from seqstate.backends.vllm.serve import parser
 from seqstate.lm_eval import SeqStateLM
 from seqstate.vllm import main
 
@@ -203,6 +204,14 @@ def test_the_key_goes_to_vllm_in_the_environment_not_the_command_line(monkeypatc
     assert server.environment()["VLLM_API_KEY"] == KEY and server.keyed
     bare = _server(cuda=False)
     assert "VLLM_API_KEY" not in bare.environment() and not bare.keyed
+
+
+def test_serves_key_defaults_to_the_clients_variable(monkeypatch):
+    monkeypatch.setenv(ENV, KEY)
+    assert parser().parse_args(["serve"]).api_key == KEY
+    assert parser().parse_args(["serve", "--api-key", "other"]).api_key == "other"
+    monkeypatch.setenv(ENV, "")
+    assert parser().parse_args(["serve"]).api_key is None
 
 
 def test_loopback_hosts():
