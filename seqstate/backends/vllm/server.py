@@ -130,7 +130,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def loopback(host: str) -> bool:
-    """Whether ``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    """Whether ``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost).
+
+    Examples
+    --------
+    >>> loopback("127.0.0.1"), loopback("::1"), loopback("0.0.0.0"), loopback("gpu-host")
+    (True, True, False, False)
+    """
     if host == "localhost":
         return True
     try:
