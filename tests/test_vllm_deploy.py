@@ -148,6 +148,11 @@ def test_https_checks_the_certificate(keyed, monkeypatch):
         ss.models.vllm(url.replace("https://", "http://"), api_key=KEY, timeout=20)
 
 
+def test_a_url_without_its_scheme_is_refused_before_any_request():
+    with pytest.raises(ss.ArgumentError, match="http:// or https://"):
+        ss.models.vllm("127.0.0.1:8000")
+
+
 # -- lm-eval on the server ---------------------------------------------------------------------
 @pytest.mark.vllm
 def test_lm_eval_on_the_server_equals_the_hf_engine(keyed, real, record_property):
