@@ -134,8 +134,8 @@ def loopback(host: str) -> bool:
 
     Examples
     --------
-    >>> loopback("127.0.0.1"), loopback("::1"), loopback("0.0.0.0"), loopback("gpu-host")
-    (True, True, False, False)
+    >>> [loopback(h) for h in ("127.0.0.1", "::1", "0.0.0.0", "gpu-host")]
+    [True, True, False, False]
     """
     if host == "localhost":
         return True
