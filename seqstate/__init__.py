@@ -1,11 +1,11 @@
 """seqstate: structured LLM generation on immutable, forkable sequence states."""
 
 from seqstate import backends, constraints, engine, grammars, hooks, models, sampling, viz
-from seqstate.batch import BatchError, run_batch
+from seqstate.batch import BatchError, arun_batch, run_batch
 from seqstate.conversation import chat
 from seqstate.errors import (ActivationHookError, ArgumentError, AuthenticationError,
-                             BatchMismatch, CacheFullError, CapabilityError, CaptureNotFound,
-                             ChatTemplateError, ConstraintError,
+                             BatchMismatch, CacheFullError, CallTimeout, CapabilityError,
+                             CaptureNotFound, ChatTemplateError, ConstraintError,
                              ContextOverflowError, EngineError, HookError, LogitsError,
                              ModelMismatch, ModelNotAvailable, SampleMismatch, SeqStateError,
                              SlicingError)
@@ -18,11 +18,12 @@ from seqstate.state import SequenceState, from_tokens
 
 __all__ = [
     "SequenceState", "from_tokens", "Scores", "Generator", "text", "choice", "regex", "json", "cfg",
-    "continuous", "final_state", "FinishReason", "chat", "run_batch", "BatchError", "greedy", "multinomial", "beam_search",
+    "continuous", "final_state", "FinishReason", "chat", "run_batch", "arun_batch", "BatchError",
+    "greedy", "multinomial", "beam_search",
     "models", "backends", "engine", "sampling", "constraints", "grammars", "hooks", "viz",
     "SeqStateError", "SlicingError", "BatchMismatch", "SampleMismatch", "ModelMismatch",
     "ConstraintError", "ContextOverflowError", "CacheFullError", "ModelNotAvailable", "HookError",
     "ArgumentError",
     "ChatTemplateError", "CapabilityError", "ActivationHookError", "EngineError",
-    "AuthenticationError", "CaptureNotFound", "LogitsError",
+    "AuthenticationError", "CaptureNotFound", "LogitsError", "CallTimeout",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +12,7 @@ from typing import Any, TypeVar
 from seqstate.errors import ArgumentError, SeqStateError
 from seqstate.progress import progress_bar, quiet_calls
 
-__all__ = ["run_batch", "BatchError"]
+__all__ = ["run_batch", "arun_batch", "BatchError"]
 
 T = TypeVar("T")
 
@@ -66,19 +68,7 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
     >>> len(answers), all(a in ("yes", "no") for a in answers)
     (3, True)
     """
-    # every argument is checked before a generator of inputs is consumed
-    if not callable(program):
-        raise ArgumentError(f"program must be a function of one input, got {program!r}")
-    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-        raise ArgumentError(f"concurrency must be an int >= 1, got {concurrency!r}")
-    if progress is not None and not isinstance(progress, bool):
-        raise ArgumentError(f"progress must be True, False or None (automatic), got {progress!r}")
-    if not isinstance(return_exceptions, bool):
-        raise ArgumentError(f"return_exceptions must be True or False, got {return_exceptions!r}")
-    if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Iterable):
-        raise ArgumentError(f"inputs must be an iterable of inputs (a list, a generator), got "
-                            f"{type(inputs).__name__} {inputs!r:.60}; for one input write [x]")
-    items = list(inputs)
+    items = _inputs(program, inputs, concurrency, progress, return_exceptions)
     results: list[Any] = [None] * len(items)
     errors: dict[int, BaseException] = {}
     lock = threading.Lock()
@@ -105,6 +95,80 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
             raise
         finally:
             pool.shutdown(wait=True)
+    if errors and not return_exceptions:
+        raise BatchError(results, errors)
+    return results
+
+
+def _inputs(program: Callable, inputs: Iterable[Any], concurrency: int, progress: bool | None,
+            return_exceptions: bool) -> list[Any]:
+    """The inputs as a list, every argument checked first (`run_batch`, `arun_batch`)."""
+    # every argument is checked before a generator of inputs is consumed
+    if not callable(program):
+        raise ArgumentError(f"program must be a function of one input, got {program!r}")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ArgumentError(f"concurrency must be an int >= 1, got {concurrency!r}")
+    if progress is not None and not isinstance(progress, bool):
+        raise ArgumentError(f"progress must be True, False or None (automatic), got {progress!r}")
+    if not isinstance(return_exceptions, bool):
+        raise ArgumentError(f"return_exceptions must be True or False, got {return_exceptions!r}")
+    if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Iterable):
+        raise ArgumentError(f"inputs must be an iterable of inputs (a list, a generator), got "
+                            f"{type(inputs).__name__} {inputs!r:.60}; for one input write [x]")
+    return list(inputs)
+
+
+async def arun_batch(program: Callable[[Any], Any], inputs: Iterable[Any], *,
+                     concurrency: int = 16, progress: bool | None = None,
+                     return_exceptions: bool = True) -> list[Any]:
+    """`run_batch` from a running event loop: ``await ss.arun_batch(program, inputs)``.
+
+    ``program`` is an ``async def`` function of one input (its generator calls are
+    ``await gen.acall(...)``: no thread per input), or a plain function (run on a thread,
+    as `run_batch` runs it).  The same rules as `run_batch`: results in input order,
+    ``concurrency`` programs in flight, a progress bar, a failed input's exception in its
+    place (or `BatchError` with ``return_exceptions=False``).  Cancelling the awaiting task
+    cancels every program still running (their calls' rows leave the batch).
+
+    Examples
+    --------
+    >>> import asyncio
+    >>> import seqstate as ss
+    >>> model = ss.models.testing.tiny()
+    >>> yes_no = ss.choice(model, ["yes", "no"])
+    >>> async def program(topic):
+    ...     return (await yes_no.acall(f"Is {topic} good? ")).value
+    >>> answers = asyncio.run(ss.arun_batch(program, ["cats", "dogs"], progress=False))
+    >>> all(a in ("yes", "no") for a in answers)
+    True
+    """
+    items = _inputs(program, inputs, concurrency, progress, return_exceptions)
+    results: list[Any] = [None] * len(items)
+    errors: dict[int, BaseException] = {}
+    gate = asyncio.Semaphore(concurrency)
+    with progress_bar(progress, len(items), "seqstate", "input", call=False) as bar:
+
+        async def one(i: int) -> None:
+            async with gate:
+                try:
+                    with quiet_calls():
+                        if inspect.iscoroutinefunction(program):
+                            out = await program(items[i])
+                        else:
+                            out = await asyncio.to_thread(program, items[i])
+                        results[i] = await out if inspect.isawaitable(out) else out
+                except Exception as exc:                 # noqa: BLE001 - reported per input
+                    results[i] = exc
+                    errors[i] = exc
+            if bar is not None:
+                bar.update(1)
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(items))]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
     if errors and not return_exceptions:
         raise BatchError(results, errors)
     return results

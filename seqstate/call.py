@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import difflib
 import inspect
+import math
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -13,6 +15,7 @@ from typing import Any, TypedDict
 import torch
 
 from seqstate.detokenize import StopMatcher
+from seqstate.engine.waiting import Caller
 from seqstate.errors import ArgumentError
 from seqstate.hooks import DEFAULT_MAX_BACKTRACKS
 from seqstate.sampling.params import Greedy, Sampler, _is_int
@@ -92,6 +95,9 @@ class CallOptions(TypedDict, total=False):
     progress : bool or None, default None
         A progress bar on standard error: None shows one when it is a terminal and the call
         runs longer than 2 s (``SEQSTATE_PROGRESS=0`` turns it off); True always; False never.
+    timeout : float or None, default None
+        Seconds the call may take; past them it raises ``ss.CallTimeout`` and its rows leave
+        the running batch at the next step, releasing what they held.  None: no limit.
     """
 
     max_tokens: int | None
@@ -106,6 +112,7 @@ class CallOptions(TypedDict, total=False):
     speculate: bool
     name: str | None
     progress: bool | None
+    timeout: float | None
 
 
 CALL_PARAMETERS = "Parameters\n----------\n" + inspect.cleandoc(
@@ -128,6 +135,7 @@ class Call:
     speculate: bool = True
     name: str | None = None
     progress: bool | None = None
+    timeout: float | None = None
 
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> Call:
@@ -184,6 +192,11 @@ class Call:
             raise ArgumentError(f"name must be a non-empty str (the capture's name), got {self.name!r}")
         if self.progress is not None and not isinstance(self.progress, bool):
             raise ArgumentError(f"progress must be True, False or None (automatic), got {self.progress!r}")
+        if self.timeout is not None and not (
+                isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool)
+                and math.isfinite(self.timeout) and self.timeout > 0):
+            raise ArgumentError(f"timeout must be a number of seconds > 0 or None (no limit), "
+                                f"got {self.timeout!r}")
         stops = self._stop_list()
         if not all(isinstance(s, str) and s for s in stops):
             raise ArgumentError(f"stop_at must be a non-empty str or a list of them, got {self.stop_at!r}")
@@ -218,3 +231,8 @@ class Call:
         if self.seed is None:
             return None
         return torch.Generator(device=device).manual_seed(int(self.seed))
+
+    def caller(self, loop: asyncio.AbstractEventLoop | None = None) -> Caller:
+        """How this call's caller waits: blocking its thread, or awaiting in ``loop``; with
+        the call's deadline (``timeout``) from now."""
+        return Caller(self.timeout, loop)

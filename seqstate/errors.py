@@ -25,6 +25,7 @@ __all__ = [
     "AuthenticationError",
     "CaptureNotFound",
     "LogitsError",
+    "CallTimeout",
 ]
 
 
@@ -143,3 +144,9 @@ class LogitsError(SeqStateError, ValueError):
     """Logits the decoding step cannot use: the wrong shape from a custom step driving
     ``ss.engine.Stepper``, or a row whose every logit is NaN or infinite (usually fp16/bf16
     overflow in the model's forward)."""
+
+
+class CallTimeout(SeqStateError, TimeoutError):
+    """A generator call that ran past its own ``timeout=``.  Its rows leave the running
+    batch at the next step and what they held is released, as for a cancelled call; every
+    existing state stays as it was and the other calls go on."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,7 +18,8 @@ class Job:
     ``wants`` and ``step``, and may give ``pause``.  A job that needs no rows of the batch
     (scoring) sets ``joins = False`` and gives `run` instead.
 
-    Everything a job does runs on the worker thread; the caller only reads its outbox.
+    Everything a job does runs on the worker thread; the caller only reads its outbox, and
+    an event loop's caller is woken (``wake``) after every message.
     """
 
     joins = True            # False: the worker runs the job's parts between steps (`run`)
@@ -29,6 +30,7 @@ class Job:
         self.slots: list[int] = []
         self.order = 0          # arrival order: the newest jobs pause first when the cache is full
         self.worker: threading.Thread | None = None     # the worker thread holding this job
+        self.wake: Callable[[], None] = _nobody           # tells an awaiting caller to look
 
     def needs(self) -> tuple[list[Sequence[int]], int]:
         """``(rows, grow_by)``: the rows to add to the batch (as they are now: a paused job
@@ -66,20 +68,30 @@ class Job:
         self._release(batch)
 
     # -- talking to the caller ----------------------------------------------------------------
+    def send(self, kind: str, payload: Any) -> None:
+        """A message to the caller: ``("items", items)``, ``("done", result)`` or
+        ``("error", exception)``."""
+        self.outbox.put((kind, payload))
+        self.wake()
+
     def deliver(self, items: Sequence[Any]) -> None:
         if items:
-            self.outbox.put(("items", items))
+            self.send("items", items)
 
     def finish(self, result: Any) -> None:
-        self.outbox.put(("done", result))
+        self.send("done", result)
 
     def fail(self, batch, exc: BaseException) -> None:
         try:
             self._release(batch)
         finally:
-            self.outbox.put(("error", exc))
+            self.send("error", exc)
 
     def _release(self, batch) -> None:
         slots, self.slots = self.slots, []
         for slot in slots:
             batch.release(slot)
+
+
+def _nobody() -> None:
+    """``Job.wake`` of a caller that blocks on the outbox: nothing to wake."""

@@ -26,7 +26,7 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from seqstate.engine.beam import Beams
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.engine.runner import unobserved
 from seqstate.engine.step import allowed_mask
+from seqstate.engine.waiting import BLOCKING, PAUSE, POLL_SECONDS, Caller
 from seqstate.errors import CapabilityError, EngineError
 from seqstate.finish import FinishReason
 from seqstate.hooks import (DEFAULT_MAX_BACKTRACKS, TOP_TOKENS, Hook, Replace, Rollback,
@@ -118,9 +119,12 @@ class RequestRunner:
             rng: torch.Generator | None, hooks: Sequence = (),
             max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
             observe: Callable[[list[LiveRow]], Sequence[Any]] = unobserved,
-            speculate: bool = True) -> Generator[Any, None, list[RowResult]]:
+            speculate: bool = True, caller: Caller = BLOCKING
+            ) -> Generator[Any, None, list[RowResult]]:
         """Continue every row by server requests; yields what ``observe`` returns as tokens
-        arrive, returns the results.  A failed request (the server unreachable, dead,
+        arrive (and `PAUSE` to an awaiting ``caller`` while none has), returns the results.
+        Closing the generator early (a cancelled call) or the caller's deadline closes every
+        request of the call, which aborts it on the server.  A failed request (the server unreachable, dead,
         refusing) raises its typed error after every other request of the call is closed; no
         state changes.  ``speculate`` changes nothing: the server drafts on its own.
 
@@ -139,6 +143,10 @@ class RequestRunner:
         stop = threading.Event()
         current: dict[int, _Request] = {}          # row -> the request now carrying it
 
+        def post(event: tuple) -> None:
+            events.put(event)
+            caller.wake()
+
         def pump(request: _Request) -> None:
             stream = backend.complete(request.tokens, max_tokens=request.max_tokens,
                                       sampler=sampler, seed=request.seed, spec=request.spec,
@@ -148,12 +156,12 @@ class RequestRunner:
                     if (stop.is_set() or _abort(rows[i] for i in request.rows)
                             or any(current[i] is not request for i in request.rows)):
                         break
-                    events.put(("token", request, token))
+                    post(("token", request, token))
             except BaseException as exc:           # handed to the caller's thread
-                events.put(("error", request, exc))
+                post(("error", request, exc))
             finally:
                 stream.close()
-                events.put(("end", request, None))
+                post(("end", request, None))
 
         def send(request: _Request) -> None:
             for i in request.rows:
@@ -166,7 +174,14 @@ class RequestRunner:
         running, failure = len(work), None
         try:
             while running:
-                kind, request, payload = events.get()
+                try:
+                    kind, request, payload = (events.get_nowait() if caller.awaits else
+                                              events.get(timeout=caller.left(POLL_SECONDS)))
+                except queue.Empty:
+                    caller.left(POLL_SECONDS)              # past the deadline: CallTimeout
+                    if caller.awaits:
+                        yield PAUSE
+                    continue
                 if kind == "end":
                     running -= 1
                     continue
@@ -213,8 +228,9 @@ class RequestRunner:
                 return stop.value
 
     def beam(self, groups: Sequence[Sequence[tuple[RowRequest, float, int]]],
-             params: BeamSearch, on_step: Callable[[], None] | None = None
-             ) -> Generator[None, None, list[list[tuple[RowResult, float, int]]]]:
+             params: BeamSearch, on_step: Callable[[], None] | None = None,
+             caller: Caller = BLOCKING
+             ) -> Generator[Any, None, list[list[tuple[RowResult, float, int]]]]:
         """Beam-search each group (see `Scheduler.beam`) by one-token requests: each step
         asks the server, for every live beam at once, the raw log-probs of its `Beams.k` most
         likely tokens among those its constraint, EOS rules and bans allow (the same
@@ -227,15 +243,17 @@ class RequestRunner:
         def top(b) -> list[tuple[int, float]]:
             return backend.top(b.row.tokens, beams.k, allowed_mask(b.row, size))
 
-        with ThreadPoolExecutor(max_workers=CONCURRENCY,
-                                thread_name_prefix="seqstate-beam") as pool:
+        pool = ThreadPoolExecutor(max_workers=CONCURRENCY, thread_name_prefix="seqstate-beam")
+        try:
             while beams.live:
-                beams.live = beams.advance(list(pool.map(top, beams.live)),
-                                           lambda parent, row: _result(backend, row))
+                asked = [pool.submit(top, b) for b in beams.live]
+                answers = yield from _settled(asked, caller)
+                beams.live = beams.advance(answers, lambda parent, row: _result(backend, row))
                 if on_step is not None:
                     on_step()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
         return beams.finished
-        yield  # a generator, as the scheduler's beam is: a search streams nothing
 
     def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
               store: bool = False) -> list[Scored]:
@@ -276,6 +294,21 @@ class RequestRunner:
             for request, seed in zip(out, seeds):
                 request.seed = seed
         return out
+
+
+def _settled(futures: list[Future], caller: Caller) -> Generator[Any, None, list[Any]]:
+    """The futures' results once all are done: a blocking caller waits for them, an
+    awaiting one is yielded `PAUSE` and woken as each finishes; `CallTimeout` past the
+    caller's deadline."""
+    for future in futures:
+        future.add_done_callback(lambda _: caller.wake())
+    while pending := [f for f in futures if not f.done()]:
+        wait_for = caller.left(POLL_SECONDS)
+        if caller.awaits:
+            yield PAUSE
+        else:
+            wait(pending, timeout=wait_for)
+    return [f.result() for f in futures]
 
 
 def _result(backend, row: LiveRow) -> RowResult:

@@ -17,6 +17,7 @@ import torch
 
 from seqstate.backends.base import Handle, Scored
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
+from seqstate.engine.waiting import BLOCKING, Caller
 from seqstate.hooks import DEFAULT_MAX_BACKTRACKS
 from seqstate.sampling.params import BeamSearch, Sampler
 
@@ -44,11 +45,14 @@ class Runner(Protocol):
             rng: torch.Generator | None, hooks: Sequence = (),
             max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
             observe: Callable[[list[LiveRow]], Sequence[Any]] = unobserved,
-            speculate: bool = True) -> Generator[Any, None, list[RowResult]]:
+            speculate: bool = True, caller: Caller = BLOCKING
+            ) -> Generator[Any, None, list[RowResult]]:
         """Continue every row (sampled with ``sampler`` and ``rng``, run through ``hooks``);
         yields what ``observe`` returns as the rows advance, returns one result per row.
         ``speculate``: verify the tokens a constraint forces in one forward, where the
-        engine can."""
+        engine can.  ``caller``: its deadline (past it, `CallTimeout`), and whether it
+        awaits in an event loop (then `PAUSE` is yielded while there is nothing new).
+        Closing the generator early ends the call's rows at the engine's next step."""
         ...
 
     def generate(self, requests: Sequence[RowRequest], sampler: Sampler,
@@ -59,12 +63,14 @@ class Runner(Protocol):
         ...
 
     def beam(self, groups: Sequence[Sequence[tuple[RowRequest, float, int]]],
-             params: BeamSearch, on_step: Callable[[], None] | None = None
-             ) -> Generator[None, None, list[list[tuple[RowResult, float, int]]]]:
+             params: BeamSearch, on_step: Callable[[], None] | None = None,
+             caller: Caller = BLOCKING
+             ) -> Generator[Any, None, list[list[tuple[RowResult, float, int]]]]:
         """Beam-search each group (one batch item's incoming beams: request, weight,
         length).  Returns, per group, up to ``width`` ``(result, score, origin)`` triples
         sorted best-first; ``origin`` is the index of the incoming beam (within its group)
-        the result descends from.  ``on_step`` runs after every step."""
+        the result descends from.  ``on_step`` runs after every step.  ``caller`` as in
+        `run`; the search yields nothing else."""
         ...
 
     def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,

@@ -44,13 +44,13 @@ from seqstate.engine.job import Job
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.engine.runner import unobserved
 from seqstate.engine.running import _Run
+from seqstate.engine.waiting import BLOCKING, PAUSE, POLL_SECONDS, Caller
 from seqstate.hooks import DEFAULT_MAX_BACKTRACKS
 from seqstate.sampling.params import BeamSearch, Sampler
 
 __all__ = ["Job", "Scheduler", "IDLE_SECONDS", "POLL_SECONDS"]
 
 IDLE_SECONDS = 2.0      # the worker thread exits after this long with nothing to do
-POLL_SECONDS = 0.5      # how often a waiting caller makes sure the worker is still alive
 
 
 class Scheduler:
@@ -65,10 +65,15 @@ class Scheduler:
         self._arrivals = itertools.count()
         atexit.register(_stop, weakref.ref(self))
 
-    def execute(self, job: Job) -> Generator[Any, None, Any]:
-        """Run ``job`` with everyone else's; yields what it delivers, returns its result."""
+    def execute(self, job: Job, caller: Caller = BLOCKING) -> Generator[Any, None, Any]:
+        """Run ``job`` with everyone else's; yields what it delivers, returns its result.
+        An awaiting ``caller`` is yielded `PAUSE` whenever the job has nothing new, and woken
+        when it has; past the caller's deadline the job is cancelled and `CallTimeout`
+        raised.  Closing the generator early cancels the job: its rows leave the batch at
+        the next step."""
         if threading.current_thread() is self._worker:      # a hook calling a generator
             return (yield from self._alone(job))
+        job.wake = caller.wake
         with self._cv:
             job.order = next(self._arrivals)
             self._pending.append(job)
@@ -80,7 +85,11 @@ class Scheduler:
         finished = False
         try:
             while True:
-                kind, payload = self._receive(job)
+                message = self._receive(job, caller)
+                if message is None:
+                    yield PAUSE
+                    continue
+                kind, payload = message
                 if kind == "items":
                     yield from payload
                 else:
@@ -104,11 +113,13 @@ class Scheduler:
             rng: torch.Generator | None, hooks: Sequence = (),
             max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
             observe: Callable[[list[LiveRow]], Sequence[Any]] = unobserved,
-            speculate: bool = True) -> Generator[Any, None, list[RowResult]]:
+            speculate: bool = True, caller: Caller = BLOCKING
+            ) -> Generator[Any, None, list[RowResult]]:
         """Continue every row (a `DecodeJob`), sharing decode steps with concurrent calls;
-        yields what ``observe`` returns after each step, returns the results."""
+        yields what ``observe`` returns after each step (and `PAUSE` to an awaiting
+        ``caller``), returns the results."""
         return self.execute(DecodeJob(self.model, requests, sampler, rng, hooks,
-                                      max_backtracks, observe, speculate))
+                                      max_backtracks, observe, speculate), caller)
 
     def generate(self, requests: Sequence[RowRequest], sampler: Sampler,
                  rng: torch.Generator | None = None, hooks: Sequence = (),
@@ -119,8 +130,9 @@ class Scheduler:
                                       max_backtracks, unobserved, speculate))
 
     def beam(self, groups: Sequence[Sequence[tuple[RowRequest, float, int]]],
-             params: BeamSearch, on_step: Callable[[], None] | None = None
-             ) -> Generator[None, None, list[list[tuple[RowResult, float, int]]]]:
+             params: BeamSearch, on_step: Callable[[], None] | None = None,
+             caller: Caller = BLOCKING
+             ) -> Generator[Any, None, list[list[tuple[RowResult, float, int]]]]:
         """Beam-search each group (one batch item's incoming beams: request, weight, length)
         as a `BeamJob`.  Returns, per group, up to ``width`` ``(result, score, origin)``
         triples sorted best-first; ``origin`` is the index of the incoming beam (within its
@@ -144,11 +156,13 @@ class Scheduler:
         return scoring.store_in_parts(self, rows)
 
     # -- the caller's side ---------------------------------------------------------------------
-    def _receive(self, job: Job) -> tuple[str, Any]:
-        """The job's next message; raises if the worker died without sending it."""
+    def _receive(self, job: Job, caller: Caller) -> tuple[str, Any] | None:
+        """The job's next message; None where an awaiting caller must wait for it.  Raises
+        if the worker died without sending it, or `CallTimeout` past the caller's deadline."""
         while True:
+            wait = caller.left(POLL_SECONDS)
             try:
-                return job.outbox.get(timeout=POLL_SECONDS)
+                return job.outbox.get_nowait() if caller.awaits else job.outbox.get(timeout=wait)
             except queue.Empty:
                 pass
             worker = job.worker or self._worker
@@ -159,6 +173,8 @@ class Scheduler:
                     raise RuntimeError(
                         f"the scheduler's worker thread of model {self.model.name!r} ended "
                         "without finishing this call; call again (a new worker starts)") from None
+            if caller.awaits:
+                return None
 
     def _alone(self, job: Job) -> Generator[Any, None, Any]:
         """Run ``job`` on this thread with a batch of its own (nested calls)."""
@@ -205,7 +221,7 @@ class Scheduler:
             with self._cv:
                 orphans, self._pending = self._pending, []
                 for job in (run.jobs if run is not None else []) + orphans:
-                    job.outbox.put(("error", exc))
+                    job.send("error", exc)
                 if self._worker is threading.current_thread():
                     self._worker = None
 

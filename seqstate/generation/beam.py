@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Generator
+from typing import Any
 
 from seqstate.call import Call
+from seqstate.engine.waiting import BLOCKING, Caller
 from seqstate.errors import ArgumentError, SampleMismatch
 from seqstate.generation import capabilities
 from seqstate.generation.prompts import Prompt
-from seqstate.generation.streaming import final_state
 from seqstate.progress import progress_bar
 from seqstate.state import SequenceState
 
 __all__ = ["beam"]
 
 
-def beam(gen, prompt: Prompt, call: Call, resume: bool) -> SequenceState:
+def beam(gen, prompt: Prompt, call: Call, resume: bool, caller: Caller = BLOCKING
+         ) -> Generator[Any, None, SequenceState]:
     """Beam search over each batch item's samples; returns up to ``width`` samples each.
 
     ``gen`` is the `Generator` making the call: its rows are prepared and recorded as any
-    call's are.
+    call's are.  A generator that yields nothing but `PAUSE` to an awaiting ``caller``.
     """
     params = call.sampler
     if call.num_samples not in (None, params.width):
@@ -50,9 +53,9 @@ def beam(gen, prompt: Prompt, call: Call, resume: bool) -> SequenceState:
                             f"item(s)")
     width = max(r.max_new for r in requests)
     with progress_bar(call.progress, width, gen.name, "tok") as bar:
-        results = final_state(gen.model.runner.beam(
+        results = yield from gen.model.runner.beam(
             [[g[:3] for g in beams] for beams in groups], params,
-            None if bar is None else lambda: bar.update(1)))
+            None if bar is None else lambda: bar.update(1), caller)
     samples = min(len(r) for r in results)
     rows = []
     for beams, found in zip(groups, results):

@@ -7,7 +7,6 @@ model's runner and records each row's span: where the call's tokens are and thei
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Unpack
@@ -15,13 +14,14 @@ from typing import Any, Unpack
 from seqstate.call import CALL_PARAMETERS, Call, CallOptions
 from seqstate.constraints.base import Constraint, Cursor
 from seqstate.engine.rows import RowRequest, RowResult
+from seqstate.engine.waiting import BLOCKING, Caller
 from seqstate.errors import ArgumentError, ConstraintError
 from seqstate.finish import FinishReason
 from seqstate.generation import capabilities, prompts
 from seqstate.generation.beam import beam
 from seqstate.generation.healing import healed as heal
 from seqstate.generation.prompts import Prompt
-from seqstate.generation.streaming import Chunks, counting, final_state, nothing
+from seqstate.generation.streaming import AsyncStream, Chunks, counting, final_state, nothing
 from seqstate.hooks import as_hook
 from seqstate.models.base import BaseModel as Model
 from seqstate.progress import progress_bar
@@ -73,20 +73,33 @@ class Generator:
     def __call__(self, prompt: Prompt, **call: Unpack[CallOptions]) -> SequenceState:
         """Generate from ``prompt`` (a str, a list of str, one per batch item, or a state);
         returns the new state."""
-        return final_state(self._stream(prompt, Call.of(call), resume=False, chunks=False))
+        checked = Call.of(call)
+        return final_state(self._stream(prompt, checked, resume=False, chunks=False,
+                                        caller=checked.caller()))
 
     @_call_method
     async def acall(self, prompt: Prompt, **call: Unpack[CallOptions]) -> SequenceState:
-        """``await gen.acall(...)``: the same call from an event loop (it runs on a worker
-        thread, so concurrent ``acall`` calls share decode steps like threads do)."""
+        """``await gen.acall(...)``: the same call from an event loop, without a thread: it
+        joins the running batch like any call and the loop runs on while it decodes.
+        Cancelling the awaiting task ends the call's rows at the next step and releases what
+        they held."""
         checked = Call.of(call)
-        return await asyncio.to_thread(
-            lambda: final_state(self._stream(prompt, checked, resume=False, chunks=False)))
+        return await AsyncStream(lambda caller: self._stream(
+            prompt, checked, resume=False, chunks=False, caller=caller), checked).drain()
 
     @_call_method
     def resume(self, state: SequenceState, **call: Unpack[CallOptions]) -> SequenceState:
         """Continue each row's last generator call exactly where the (sliced) state stands."""
-        return final_state(self._stream(state, Call.of(call), resume=True, chunks=False))
+        checked = Call.of(call)
+        return final_state(self._stream(state, checked, resume=True, chunks=False,
+                                        caller=checked.caller()))
+
+    @_call_method
+    async def aresume(self, state: SequenceState, **call: Unpack[CallOptions]) -> SequenceState:
+        """``await gen.aresume(state, ...)``: `resume` from an event loop, as `acall` is."""
+        checked = Call.of(call)
+        return await AsyncStream(lambda caller: self._stream(
+            state, checked, resume=True, chunks=False, caller=caller), checked).drain()
 
     @_call_method
     def stream(self, prompt: Prompt, **call: Unpack[CallOptions]) -> Iterator[Any]:
@@ -96,13 +109,27 @@ class Generator:
         start of a stop string (or, for hooks with a ``lookback``, text they may still roll
         back); concatenated, a row's chunks equal its generated text without the stop string.
         A 1x1 state yields ``str`` chunks, a larger one ``(batch, sample, str)`` tuples.
-        `final_state()` drains the iterator and returns the state.
+        `final_state()` drains the iterator and returns the state.  Closing the iterator
+        early (or dropping it) ends the call's rows at the next step.
         """
-        return self._stream(prompt, Call.of(call), resume=False)
+        checked = Call.of(call)
+        return self._stream(prompt, checked, resume=False, caller=checked.caller())
 
-    def _stream(self, prompt: Prompt, call: Call, resume: bool, chunks: bool = True):
-        if isinstance(call.sampler, BeamSearch):
-            return beam(self, prompt, call, resume)       # streams nothing until it is done
+    @_call_method
+    def astream(self, prompt: Prompt, **call: Unpack[CallOptions]) -> AsyncStream:
+        """``async for chunk in gen.astream(...)``: `stream` from an event loop, without a
+        thread: the same chunks and hold-back.  The stream's ``state`` is the final state
+        once it has ended; cancelling the task that iterates it (or ``await
+        stream.aclose()``) ends the call's rows at the next step.
+        """
+        checked = Call.of(call)
+        return AsyncStream(lambda caller: self._stream(prompt, checked, resume=False,
+                                                       caller=caller), checked)
+
+    def _stream(self, prompt: Prompt, call: Call, resume: bool, chunks: bool = True,
+                caller: Caller = BLOCKING):
+        if isinstance(call.sampler, BeamSearch):          # streams nothing until it is done
+            return (yield from beam(self, prompt, call, resume, caller))
         state, requests, span_starts, healed = self._prepare(prompt, call, resume)
         # a call that is not streamed hears from the worker once, when it is done; a progress
         # bar is updated on the worker
@@ -112,8 +139,8 @@ class Generator:
             if bar is not None:
                 observe = counting(observe, bar)
             results = yield from self.model.runner.run(
-                requests, call.sampler, call.generator(self.model.device), call.hooks, call.max_backtracks,
-                observe, call.speculate)
+                requests, call.sampler, call.generator(self.model.device), call.hooks,
+                call.max_backtracks, observe, call.speculate, caller)
         rows = [self._row(r, res, st, h, call.name)
                 for r, res, st, h in zip(state.rows, results, span_starts, healed)]
         return SequenceState(self.model, tuple(rows), state.n_batch, state.n_samples)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import asyncio
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from seqstate.call import Call
+from seqstate.engine.waiting import PAUSE, Caller
+from seqstate.errors import ArgumentError
 from seqstate.hooks import as_hook
 from seqstate.state import SequenceState
 
-__all__ = ["Chunks", "counting", "nothing", "rollback_reach", "final_state"]
+__all__ = ["Chunks", "counting", "nothing", "rollback_reach", "final_state", "AsyncStream"]
 
 
 def nothing(rows) -> tuple:
@@ -70,3 +73,66 @@ def final_state(stream: Iterator[str]) -> SequenceState:
             next(stream)
         except StopIteration as stop:
             return stop.value
+
+
+class AsyncStream:
+    """A call driven from an event loop: ``async for chunk in stream`` yields its chunks
+    (those of `Generator.stream`), then ``stream.state`` is the final state; ``await
+    stream.drain()`` runs it to its end and returns that state.
+
+    The call starts at the first ``__anext__``, in the running loop: its rows join the
+    model's running batch there, and while the engine has nothing new for it the stream
+    awaits, so the loop runs on without a thread per call.  Cancelling the task that awaits
+    the stream, ``await stream.aclose()``, or dropping the stream unfinished ends the call's
+    rows at the engine's next step, releasing what they held.
+    """
+
+    def __init__(self, start: Callable[[Caller], Generator[Any, None, Any]], call: Call) -> None:
+        self._start, self._call = start, call
+        self._steps: Generator[Any, None, Any] | None = None
+        self._caller: Caller | None = None
+        self._state: Any = None
+        self._ended = False
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._ended:
+            raise StopAsyncIteration
+        if self._steps is None:
+            self._caller = self._call.caller(asyncio.get_running_loop())
+            self._steps = self._start(self._caller)
+        try:
+            while True:
+                item = next(self._steps)
+                if item is not PAUSE:
+                    return item
+                await self._caller.wait()
+        except StopIteration as stop:
+            self._ended, self._state = True, stop.value
+            raise StopAsyncIteration from None
+        except BaseException:               # a cancelled task, a timeout, the call's error
+            self._ended = True
+            self._steps.close()
+            raise
+
+    @property
+    def state(self) -> Any:
+        """The final state, once the stream has ended."""
+        if self._state is None:
+            raise ArgumentError("the stream has not ended: iterate it to its end (`async for`) "
+                                "or `await stream.drain()` first")
+        return self._state
+
+    async def drain(self) -> Any:
+        """Run the call to its end; returns the final state."""
+        async for _ in self:
+            pass
+        return self.state
+
+    async def aclose(self) -> None:
+        """End the call now: its rows leave the batch at the engine's next step."""
+        self._ended = True
+        if self._steps is not None:
+            self._steps.close()
