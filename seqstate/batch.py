@@ -138,8 +138,8 @@ async def arun_batch(program: Callable[[Any], Any], inputs: Iterable[Any], *,
     >>> yes_no = ss.choice(model, ["yes", "no"])
     >>> async def program(topic):
     ...     return (await yes_no.acall(f"Is {topic} good? ")).value
-    >>> answers = asyncio.run(ss.arun_batch(program, ["cats", "dogs"], progress=False))
-    >>> all(a in ("yes", "no") for a in answers)
+    >>> batch = ss.arun_batch(program, ["cats", "dogs"], progress=False)
+    >>> all(a in ("yes", "no") for a in asyncio.run(batch))
     True
     """
     items = _inputs(program, inputs, concurrency, progress, return_exceptions)

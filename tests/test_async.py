@@ -221,3 +221,8 @@ def test_cancelling_arun_batch_cancels_its_programs(tiny):
 
     run(main())
     settled(tiny, before)
+
+
+def test_a_scored_choice_from_an_event_loop(tiny):
+    pick = ss.choice(tiny, ["yes", "no", "maybe"], method="score")
+    assert run(pick.acall("Is it? ")).value == pick("Is it? ").value

@@ -75,6 +75,8 @@ INTERNAL: dict[tuple[str, str, str], str] = {
         "json.loads' object_pairs_hook protocol; caught in JsonConstraint._check",
     ("seqstate/backends/vllm/serve.py", "_interrupt", "KeyboardInterrupt"):
         "the SIGTERM handler of `python -m seqstate.vllm serve`: a clean shutdown, not an error",
+    ("seqstate/generation/streaming.py", "AsyncStream.__anext__", "StopAsyncIteration"):
+        "the async iterator protocol: the stream has ended",
     ("seqstate/models/__init__.py", "__getattr__", "AttributeError"):
         "a module's __getattr__ protocol (PEP 562): a name the package does not have",
 }

@@ -6,6 +6,7 @@ from typing import Any
 
 from seqstate.call import Call
 from seqstate.constraints import compile as compiled
+from seqstate.engine.waiting import BLOCKING, Caller
 from seqstate.errors import ArgumentError
 from seqstate.finish import FinishReason
 from seqstate.generation import capabilities, prompts
@@ -27,7 +28,10 @@ class ScoredChoice(Generator):
         self.option_ids = [model.encode(t) for t in self.texts]
         self.length_normalize = length_normalize
 
-    def _stream(self, prompt: Prompt, call: Call, resume: bool, chunks: bool = True):
+    def _stream(self, prompt: Prompt, call: Call, resume: bool, chunks: bool = True,
+                caller: Caller = BLOCKING):
+        # scoring runs to its end in one go: from an event loop (acall), it holds the loop
+        # for the scoring forward
         if resume:
             raise ArgumentError("resume() continues a constraint part-way through its tokens, but "
                                 "choice(method='score') adds a whole option in one step, so there "
