@@ -27,6 +27,7 @@ import seqstate as ss
 SYSTEM = "You are a support agent. Answer in one or two sentences."
 MOOD = "Was the customer positive, neutral or negative? One word."
 MOODS = ["positive", "neutral", "negative"]
+FILE = "File a ticket as JSON."
 TICKET = {"type": "object",
           "properties": {"topic": {"type": "string", "maxLength": 24},
                          "urgent": {"type": "boolean"}},
@@ -68,8 +69,7 @@ def create_app(model: Any) -> Starlette:
                         yield sse("reply", chunk)
                 felt = await mood.acall(stream.state.user(MOOD), name="mood")
                 yield sse("mood", felt["mood"])
-                filed = await ticket.acall(
-                    felt.user("File a ticket as JSON."), name="ticket")
+                filed = await ticket.acall(felt.user(FILE), name="ticket")
                 yield sse("ticket", filed["ticket"])
                 yield sse("done", {"tokens": len(filed.token_ids[0][0])})
             except asyncio.CancelledError:
