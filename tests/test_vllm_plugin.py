@@ -240,6 +240,21 @@ def test_a_constraint_that_fails_ends_its_request_with_a_constraint_error(vllm, 
         list(vllm.backend.complete([1, 2, 3], max_tokens=4, sampler=ss.greedy(), spec=spec))
 
 
+def test_a_request_sent_while_its_constraint_builds_is_sent_again(vllm, monkeypatch):
+    """A regex that takes ~0.2 s to build: the first call's request ends pending and is
+    sent again, the second call's is built; both give the same greedy tokens."""
+    streams = []
+    stream = vllm.backend.client.stream
+    monkeypatch.setattr(vllm.backend.client, "stream",
+                        lambda *args, **kw: streams.append(args) or stream(*args, **kw))
+    generator = ss.regex(vllm, "[0-9]{2}(a|b)*a(a|b){6}")
+    first = generator("Code: ", max_tokens=12)
+    sent_first = len(streams)
+    again = generator("Code: ", max_tokens=12)
+    assert sent_first >= 2 and len(streams) == sent_first + 1, (sent_first, len(streams))
+    assert again.token_ids == first.token_ids
+
+
 def _program(model):
     digits, person = ss.regex(model, r"[0-9]{1,3}"), ss.json(model, PERSON)
 

@@ -16,7 +16,7 @@ import pytest
 
 from seqstate.backends.vllm import wire
 from seqstate.backends.vllm.server import PLUGIN, Server
-from seqstate.backends.vllm.vocab import vocabulary_table
+from seqstate.backends.vllm.vocab import signal_tokens, vocabulary_table
 from seqstate.constraints import spec
 from seqstate.constraints.compile import cfg, regex
 from seqstate.constraints.healing import HealingCursor
@@ -102,3 +102,14 @@ def test_the_entry_point_is_exported():
     exported = next(ast.literal_eval(node.value) for node in tree.body
                     if isinstance(node, ast.Assign) and node.targets[0].id == "__all__")
     assert name in bound and name in exported
+
+
+def test_signal_tokens_are_neither_eos_nor_bos_nor_any_constraints(table, tiny):
+    """The four tokens a constrained request names as signals: distinct, not EOS or BOS,
+    and no regex allows them (they spell no text); a vocabulary with too few special tokens
+    takes the last ids instead."""
+    signals = signal_tokens(table)
+    assert len(set(signals)) == 4 and not set(signals) & {*table["eos"], table["bos"]}
+    assert not regex(tiny, ".*").start().allowed()[signals].any()
+    few = {**table, "special": table["eos"]}
+    assert signal_tokens(few) == [table["size"] - k for k in range(1, 5)]

@@ -3,9 +3,10 @@
 A request's regex or grammar is built on a worker thread while the engine keeps stepping
 every other request.  A regex (outlines_core, whose build a pathological pattern makes
 exponential) is built in a forked child process with an address-space limit, killed at the
-time bound; the compiled index comes back pickled through a pipe.  A grammar (llguidance, which builds its
-lexer lazily under its own limits) is built on the thread.  Builds are cached per text, so
-a constraint that failed or went over a bound answers at once when it comes again.
+time bound; the compiled index comes back pickled through a pipe.  A grammar (llguidance,
+which builds its lexer lazily under its own limits) is built on the thread.  Builds are
+cached per text, so a constraint that failed or went over a bound answers at once when it
+comes again.
 
 Bounds, read from the server's environment when it starts:
 

@@ -8,10 +8,12 @@ table, and with a regex or grammar `SIGNALS`: token ids, one per `SIGNAL_KINDS`,
 request also sends as ``stop_token_ids``.  The plugin ends a request with one of them where
 its constraint is still being built (`PENDING`: the client sends it again), failed to build
 (`FAILED`), went over the server's time or memory bound (`BOUND`) or failed mid-way
-(`BROKE`); the client reads which from the choice's ``stop_reason``.  ``python -m seqstate.vllm serve`` writes the table as `VOCAB_FILE` beside the served
-model and names it to the plugin in `VOCAB_ENV`; the plugin refuses a request whose
-fingerprint differs from its table's.  The plugin cannot import seqstate and keeps its own
-copy of these names and of `fingerprint`; ``tests/test_vllm_wire.py`` compares the two.
+(`BROKE`); the client reads which from the choice's ``stop_reason``.
+
+``python -m seqstate.vllm serve`` writes the table as `VOCAB_FILE` beside the served model
+and names it to the plugin in `VOCAB_ENV`; the plugin refuses a request whose fingerprint
+differs from its table's.  The plugin cannot import seqstate and keeps its own copy of these
+names and of `fingerprint`; ``tests/test_vllm_wire.py`` compares the two.
 
 Examples
 --------
