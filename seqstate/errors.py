@@ -55,7 +55,9 @@ class ModelMismatch(SeqStateError, ValueError):
 
 
 class ConstraintError(SeqStateError, ValueError):
-    """An invalid regex, schema, grammar or choice list, reported before any model call."""
+    """An invalid regex, schema, grammar or choice list, reported before any model call; on
+    the ``vllm`` engine also one the server refuses, cannot build within its bounds, or fails
+    on mid-call (its plugin says which)."""
 
 
 class ContextOverflowError(SeqStateError, ValueError):

@@ -1,5 +1,9 @@
+import importlib
 import os
+import pathlib
 import random
+import sys
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -191,6 +195,23 @@ def gemma_llama(gemma):
 def gemma_engine(request):
     """Gemma 3 270M on each engine."""
     return request.getfixturevalue("gemma" if request.param == "hf" else "gemma_llama")
+
+
+PLUGIN_PACKAGE = pathlib.Path(__file__).parents[1] / "plugins" / "seqstate-vllm" / "seqstate_vllm"
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    """The vLLM plugin's package, its modules importable from the checkout (``plugin.module(
+    name)``), its ``__init__`` (which imports vLLM) not run: what runs without a server."""
+    package = types.ModuleType("seqstate_vllm")
+    package.__path__ = [str(PLUGIN_PACKAGE)]
+    package.module = lambda name: importlib.import_module(f"{package.__name__}.{name}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "seqstate_vllm", package)
+        yield package
+        for name in [m for m in sys.modules if m.startswith("seqstate_vllm.")]:
+            del sys.modules[name]
 
 
 def _served(tmp_path_factory, model=None):

@@ -3,43 +3,27 @@
 The plugin (``plugins/seqstate-vllm``) runs in the server's environment and cannot import
 seqstate, so it keeps its own copy of the request's keys, of the variable that names the
 vocabulary table and of the table's fingerprint.  These tests read the plugin's modules from
-the checkout (no server, no vLLM: its package ``__init__`` is never run) and fail where
-the two sides differ.
+the checkout (conftest's ``plugin``: no server, no vLLM) and fail where the two sides differ.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib
 import json
-import pathlib
-import sys
 import types
 
 import pytest
 
 from seqstate.backends.vllm import wire
 from seqstate.backends.vllm.server import PLUGIN, Server
-from seqstate.backends.vllm.vocab import vocabulary_table
+from seqstate.backends.vllm.vocab import signal_tokens, vocabulary_table
 from seqstate.constraints import spec
 from seqstate.constraints.compile import cfg, regex
 from seqstate.constraints.healing import HealingCursor
 
-PACKAGE = pathlib.Path(__file__).parents[1] / "plugins" / "seqstate-vllm" / "seqstate_vllm"
+from conftest import PLUGIN_PACKAGE as PACKAGE
+
 SPEC_NAMES = ("REGEX", "GRAMMAR", "HEAL", "REPLAY", "FORCE", "BAN", "ALLOW")
-
-
-@pytest.fixture
-def plugin(monkeypatch):
-    """The plugin's package, its modules importable from the checkout, its ``__init__``
-    (which imports vLLM) not run."""
-    package = types.ModuleType("seqstate_vllm")
-    package.__path__ = [str(PACKAGE)]
-    package.module = lambda name: importlib.import_module(f"{package.__name__}.{name}")
-    monkeypatch.setitem(sys.modules, "seqstate_vllm", package)
-    yield package
-    for name in [m for m in sys.modules if m.startswith("seqstate_vllm.")]:
-        del sys.modules[name]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +39,8 @@ def test_request_keys_agree(plugin):
     for name in SPEC_NAMES:
         assert getattr(theirs, name) == getattr(spec, name), name
     assert theirs.CONSTRAINTS == spec.CONSTRAINTS
-    assert theirs.KEYS == spec.KEYS | {wire.VOCAB_KEY}
+    assert theirs.KEYS == spec.KEYS | {wire.VOCAB_KEY, wire.SIGNALS}
+    assert theirs.SIGNALS == wire.SIGNALS and theirs.SIGNAL_KINDS == wire.SIGNAL_KINDS
 
 
 def test_fingerprint_agrees(plugin, table):
@@ -117,3 +102,14 @@ def test_the_entry_point_is_exported():
     exported = next(ast.literal_eval(node.value) for node in tree.body
                     if isinstance(node, ast.Assign) and node.targets[0].id == "__all__")
     assert name in bound and name in exported
+
+
+def test_signal_tokens_are_neither_eos_nor_bos_nor_any_constraints(table, tiny):
+    """The four tokens a constrained request names as signals: distinct, not EOS or BOS,
+    and no regex allows them (they spell no text); a vocabulary with too few special tokens
+    takes the last ids instead."""
+    signals = signal_tokens(table)
+    assert len(set(signals)) == 4 and not set(signals) & {*table["eos"], table["bos"]}
+    assert not regex(tiny, ".*").start().allowed()[signals].any()
+    few = {**table, "special": table["eos"]}
+    assert signal_tokens(few) == [table["size"] - k for k in range(1, 5)]

@@ -20,6 +20,11 @@ request:
     ``[[k, [ids]], ...]``: ids not allowed at output position ``k``.
 ``allow``
     ``[[k, [ids]], ...]``: only these ids at output position ``k`` (an explicit mask).
+``signals``
+    with a regex or grammar (required there): four token ids the constraint never allows,
+    in `SIGNAL_KINDS` order, that the request also sends as ``stop_token_ids``.  The plugin
+    ends the request with one of them where the constraint is not ready or has failed, so
+    the client reads why from the choice's ``stop_reason`` instead of a silent EOS.
 
 seqstate declares the same names in ``seqstate.backends.vllm.wire`` and
 ``seqstate.constraints.spec``; this package cannot import seqstate, so it keeps a copy, and
@@ -34,7 +39,8 @@ import json
 from typing import Any
 
 __all__ = ["XARGS_KEY", "VOCAB_KEY", "VOCAB_ENV", "REGEX", "GRAMMAR", "HEAL", "REPLAY",
-           "FORCE", "BAN", "ALLOW", "CONSTRAINTS", "KEYS", "fingerprint"]
+           "FORCE", "BAN", "ALLOW", "SIGNALS", "SIGNAL_KINDS", "PENDING", "FAILED", "BOUND",
+           "BROKE", "CONSTRAINTS", "KEYS", "fingerprint"]
 
 XARGS_KEY = "seqstate"
 VOCAB_KEY = "vocab"
@@ -47,8 +53,18 @@ REPLAY = "replay"
 FORCE = "force"
 BAN = "ban"
 ALLOW = "allow"
+SIGNALS = "signals"
 CONSTRAINTS = (REGEX, GRAMMAR, HEAL)
-KEYS = frozenset({VOCAB_KEY, *CONSTRAINTS, REPLAY, FORCE, BAN, ALLOW})
+KEYS = frozenset({VOCAB_KEY, *CONSTRAINTS, REPLAY, FORCE, BAN, ALLOW, SIGNALS})
+
+# what each of the request's ``signals`` says, in order: the constraint is still being built
+# (send the request again), it failed to build, it went over the server's bounds (time or
+# memory), it failed mid-way (after some tokens)
+PENDING = "pending"
+FAILED = "failed"
+BOUND = "bound"
+BROKE = "broke"
+SIGNAL_KINDS = (PENDING, FAILED, BOUND, BROKE)
 
 
 def fingerprint(table: dict[str, Any]) -> str:

@@ -12,9 +12,11 @@ them in vLLM's names.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -23,17 +25,33 @@ import torch
 
 from seqstate.backends.base import Capabilities, RequestBackend, Scored, Token, WorkCounters
 from seqstate.backends.vllm.client import Client
-from seqstate.backends.vllm.wire import vllm_xargs
+from seqstate.backends.vllm.wire import BOUND, FAILED, PENDING, SIGNAL_KINDS, SIGNALS, vllm_xargs
 from seqstate.constraints import spec as keys
-from seqstate.errors import ArgumentError, CapabilityError, EngineError
+from seqstate.errors import ArgumentError, CapabilityError, ConstraintError, EngineError
 from seqstate.finish import FinishReason
 from seqstate.sampling.params import Greedy, Multinomial, Sampler
 
 __all__ = ["VllmBackend", "RemoteHandle", "Token", "sampling_of", "SCORE_CONCURRENCY",
-           "MAX_LOGPROB_IDS", "VLLM_RANGES"]
+           "MAX_LOGPROB_IDS", "VLLM_RANGES", "PENDING_WAIT"]
 
 SCORE_CONCURRENCY = 32       # scoring requests in flight at once (vLLM batches them)
 MAX_LOGPROB_IDS = 128        # vLLM's bound on one request's ``logprob_token_ids``
+PENDING_WAIT = (0.01, 0.25)  # seconds before sending a request again while its constraint
+                             # builds on the server: the first wait, doubling up to the last
+
+# What the plugin's signals (`seqstate.backends.vllm.wire`) mean to the caller
+_SIGNALLED = {
+    FAILED: "the vLLM server could not build this constraint (its log says why); check the "
+            "pattern or grammar with the same generator on a local model, which reports where "
+            "it is wrong",
+    BOUND: "building this constraint went over the vLLM server's bounds on time or memory "
+           "(SEQSTATE_VLLM_BUILD_SECONDS, default 10 s, and SEQSTATE_VLLM_BUILD_MIB, default "
+           "1024, in the server's environment): simplify it, or start the server with larger "
+           "bounds",
+}
+_BROKE = ("the vLLM server's plugin failed on this constraint mid-way (its log says why); the "
+          "call's tokens are not kept.  The same call on the hf or llama.cpp engine runs the "
+          "constraint locally")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,14 +119,18 @@ class VllmBackend(RequestBackend):
         The client's vocabulary fingerprint, sent with each constrained request.
     context_length : int
         The server's ``max_model_len``.
+    signals : sequence of int
+        The token ids constrained requests name as the plugin's signals
+        (`seqstate.backends.vllm.vocab.signal_tokens`).
     """
 
     capabilities = Capabilities(name="vllm", full_logits=False, prefix_sharing=True,
                                 batching=True, exact=False)
 
     def __init__(self, client: Client, served: str, vocab_size: int, fingerprint: str,
-                 context_length: int) -> None:
+                 context_length: int, signals: Sequence[int] = ()) -> None:
         self.client = client
+        self.signals = list(signals)
         self.served = served
         self.vocab_size = vocab_size
         self.fingerprint = fingerprint
@@ -128,7 +150,10 @@ class VllmBackend(RequestBackend):
         """Stream one request: ``n`` continuations of ``tokens`` sampled with ``sampler``
         (as vLLM's sampling parameters, `sampling_of`, with ``seed``), constrained by the
         plugin ``spec``, each token with its ``top`` most likely alternatives when ``top``
-        > 0.  Closing the iterator early aborts the request on the server."""
+        > 0.  Closing the iterator early aborts the request on the server.  While the
+        server builds the spec's regex or grammar it ends the request at once and it is sent
+        again (`PENDING_WAIT`); `ConstraintError` where the server refuses the spec, cannot
+        build it, goes over its bounds building it, or fails on it mid-way."""
         sampling = sampling_of(sampler)
         if seed is not None:
             sampling["seed"] = seed
@@ -136,13 +161,50 @@ class VllmBackend(RequestBackend):
             "model": self.served, "prompt": list(tokens), "max_tokens": max_tokens, "n": n,
             "logprobs": max(1, top), "return_token_ids": True, "return_tokens_as_token_ids": True,
             "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos, **sampling}
+        signals: dict[int, str] = {}
         if spec is not None:
+            if (keys.REGEX in spec or keys.GRAMMAR in spec) and self.signals:
+                spec = {**spec, SIGNALS: self.signals}
+                body["stop_token_ids"] = self.signals
+                signals = dict(zip(self.signals, SIGNAL_KINDS))
             body["vllm_xargs"] = vllm_xargs(self.fingerprint, spec)
-        for event in self.client.stream("/v1/completions", body):
-            if event.get("usage"):
-                self._count_usage(event["usage"])
-            for choice in event.get("choices", ()):
-                yield from _tokens(choice, top)
+        wait = PENDING_WAIT[0]
+        while True:
+            pending = yield from self._stream(body, n, top, signals)
+            if not pending:
+                return
+            time.sleep(wait)             # the constraint is being built on the server
+            wait = min(2 * wait, PENDING_WAIT[1])
+
+    def _stream(self, body: dict[str, Any], n: int, top: int, signals: dict[int, str]):
+        """One streamed request's tokens; returns True, having yielded none, where the
+        server ended it because its constraint is still being built (send it again).  Until
+        every choice has its first token they are held back, so a choice that is pending
+        never follows one that streamed.  `ConstraintError` where the plugin signals that
+        the constraint failed to build, went over a bound, or failed mid-way."""
+        held: list[Token] | None = [] if signals else None
+        started: set[int] = set()
+        with contextlib.closing(self.client.stream("/v1/completions", body)) as events:
+            for event in events:
+                if event.get("usage"):
+                    self._count_usage(event["usage"])
+                for choice in event.get("choices", ()):
+                    kind = signals.get(choice.get("stop_reason"))
+                    if kind == PENDING:
+                        return True
+                    if kind is not None:
+                        raise ConstraintError(_SIGNALLED.get(kind, _BROKE))
+                    tokens = list(_tokens(choice, top))
+                    if held is None:
+                        yield from tokens
+                    elif tokens:
+                        held += tokens
+                        started.add(choice.get("index", 0))
+                if held is not None and len(started) >= n:
+                    yield from held
+                    held = None
+            yield from held or ()
+        return False
 
     def top(self, tokens: Sequence[int], k: int,
             allowed: torch.Tensor | None = None) -> list[tuple[int, float]]:

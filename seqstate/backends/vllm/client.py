@@ -17,8 +17,8 @@ from typing import Any
 import urllib3
 from urllib3.exceptions import HTTPError, SSLError
 
-from seqstate.errors import (ArgumentError, AuthenticationError, ContextOverflowError,
-                             EngineError, ModelMismatch, ModelNotAvailable)
+from seqstate.errors import (ArgumentError, AuthenticationError, ConstraintError,
+                             ContextOverflowError, EngineError, ModelMismatch, ModelNotAvailable)
 
 __all__ = ["Client", "POOL_SIZE"]
 
@@ -148,7 +148,9 @@ class Client:
 
 
 def _error(status: int, error: dict[str, Any]) -> Exception:
-    """The typed error for an HTTP error answer (vLLM's ``{"error": {"message", ...}}``)."""
+    """The typed error for an HTTP error answer (vLLM's ``{"error": {"message", ...}}``):
+    `ModelMismatch`, `ConstraintError` (a spec the plugin refused at admission),
+    `ContextOverflowError`, `ModelNotAvailable`, `ArgumentError` or `EngineError`."""
     message = str(error.get("message", error))
     text = f"the vLLM server refused the request ({status}): {message}"
     lowered = message.lower()
@@ -156,6 +158,8 @@ def _error(status: int, error: dict[str, Any]) -> Exception:
         return ModelMismatch(text)
     if "context length" in lowered or "maximum model length" in lowered or "too long" in lowered:
         return ContextOverflowError(text)
+    if "seqstate spec refused" in lowered:     # the plugin's refusal at admission
+        return ConstraintError(text)
     if status == 404 and "model" in lowered:
         return ModelNotAvailable(text)
     if status == 400 or status == 422:

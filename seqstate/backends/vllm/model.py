@@ -10,7 +10,7 @@ from typing import Any
 
 from seqstate.backends.vllm.backend import VllmBackend
 from seqstate.backends.vllm.client import Client
-from seqstate.backends.vllm.vocab import served_eos, vocabulary_table
+from seqstate.backends.vllm.vocab import served_eos, signal_tokens, vocabulary_table
 from seqstate.backends.vllm.wire import VOCAB_FILE, fingerprint
 from seqstate.errors import ArgumentError, ModelMismatch, ModelNotAvailable
 from seqstate.models.base import BaseModel
@@ -77,7 +77,8 @@ class VllmModel(BaseModel):
                                 f"{self.url} constrains with ({theirs}); pass the served "
                                 "model's tokenizer")
         context = int(served.get("max_model_len") or 2048)
-        self.backend = VllmBackend(client, served["id"], self.vocab.size, mine, context)
+        self.backend = VllmBackend(client, served["id"], self.vocab.size, mine, context,
+                                   signal_tokens(table))
 
     @cached_property
     def eos_token_ids(self) -> frozenset[int]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from seqstate.detokenize import TokenVocabulary
 
-__all__ = ["vocabulary_table", "served_eos"]
+__all__ = ["vocabulary_table", "served_eos", "signal_tokens"]
 
 
 def vocabulary_table(vocab: TokenVocabulary, eos: Iterable[int]) -> dict[str, Any]:
@@ -50,3 +50,14 @@ def served_eos(tokenizer: Any, folder: Path | None) -> list[int]:
         if source is not None:
             ids.update(source if isinstance(source, list) else [source])
     return sorted(ids)
+
+
+def signal_tokens(table: dict[str, Any], count: int = 4) -> list[int]:
+    """``count`` token ids a constrained request names as its signals (the plugin ends a
+    request whose constraint is not built yet or failed with one of them, and masks them out
+    of every constrained row): the last special tokens that are neither EOS nor BOS, then,
+    for a tokenizer with too few, the last ids that are not EOS."""
+    taken = {*table["eos"], table.get("bos")}
+    special = [i for i in table["special"] if i not in taken]
+    rest = [i for i in range(table["size"] - 1, -1, -1) if i not in taken and i not in special]
+    return (special[::-1] + rest)[:count]

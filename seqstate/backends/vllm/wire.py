@@ -4,10 +4,16 @@ vocabulary table's file, variable and fingerprint.
 A request opts in to the plugin (``plugins/seqstate-vllm``) with ``vllm_xargs`` holding one
 entry, `XARGS_KEY`, whose value is a JSON object: the engine-neutral constraint spec
 (`seqstate.constraints.spec`) plus `VOCAB_KEY`, the fingerprint of the client's vocabulary
-table.  ``python -m seqstate.vllm serve`` writes the table as `VOCAB_FILE` beside the served
-model and names it to the plugin in `VOCAB_ENV`; the plugin refuses a request whose
-fingerprint differs from its table's.  The plugin cannot import seqstate and keeps its own
-copy of these names and of `fingerprint`; ``tests/test_vllm_wire.py`` compares the two.
+table, and with a regex or grammar `SIGNALS`: token ids, one per `SIGNAL_KINDS`, that the
+request also sends as ``stop_token_ids``.  The plugin ends a request with one of them where
+its constraint is still being built (`PENDING`: the client sends it again), failed to build
+(`FAILED`), went over the server's time or memory bound (`BOUND`) or failed mid-way
+(`BROKE`); the client reads which from the choice's ``stop_reason``.
+
+``python -m seqstate.vllm serve`` writes the table as `VOCAB_FILE` beside the served model
+and names it to the plugin in `VOCAB_ENV`; the plugin refuses a request whose fingerprint
+differs from its table's.  The plugin cannot import seqstate and keeps its own copy of these
+names and of `fingerprint`; ``tests/test_vllm_wire.py`` compares the two.
 
 Examples
 --------
@@ -22,7 +28,8 @@ import hashlib
 import json
 from typing import Any
 
-__all__ = ["XARGS_KEY", "VOCAB_KEY", "VOCAB_FILE", "VOCAB_ENV", "fingerprint", "vllm_xargs"]
+__all__ = ["XARGS_KEY", "VOCAB_KEY", "VOCAB_FILE", "VOCAB_ENV", "SIGNALS", "SIGNAL_KINDS",
+           "PENDING", "FAILED", "BOUND", "BROKE", "fingerprint", "vllm_xargs"]
 
 XARGS_KEY = "seqstate"
 """The ``vllm_xargs`` entry the plugin reads (vLLM passes it as ``SamplingParams.extra_args``)."""
@@ -32,6 +39,14 @@ VOCAB_FILE = "seqstate-vocab.json"
 """The vocabulary table's file name, in the served model's folder."""
 VOCAB_ENV = "SEQSTATE_VLLM_VOCAB"
 """The environment variable that gives the server's plugin the table's path."""
+SIGNALS = "signals"
+"""The spec entry naming a constrained request's signal tokens, in `SIGNAL_KINDS` order."""
+PENDING = "pending"
+FAILED = "failed"
+BOUND = "bound"
+BROKE = "broke"
+SIGNAL_KINDS = (PENDING, FAILED, BOUND, BROKE)
+"""What each signal token says: built yet? failed, over a bound, failed mid-way."""
 
 
 def fingerprint(table: dict[str, Any]) -> str:
