@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import seqstate as ss
+from conftest import assert_close
 from fake_cuda import FakeCuda, OnDevice, to_fake_cuda
 from seqstate.backends.hf.loader import device_of
 from seqstate.call import Call
@@ -339,6 +340,11 @@ def test_scoring_forks_and_slices_run_on_a_cuda_device(fake, tiny):
         ours = run(fake)
     theirs = run(tiny)
     assert ours[0].token_ids == theirs[0].token_ids
-    assert ours[1].logprobs == theirs[1].logprobs
+    # the same weights and tokens; scoring picks its threads by the CPUs free at the time, so
+    # two runs agree within the model's noise floor, not to the bit
+    def flat(scores):
+        return torch.tensor([lp for b in scores.logprobs for s in b for o in s for lp in o])
+
+    assert_close(flat(ours[1]), flat(theirs[1]), tiny, "scores on the CUDA device vs the CPU")
     assert ours[2].device == torch.device("cuda", 0)
-    assert torch.equal(ours[2].inner, theirs[2])
+    assert_close(ours[2].inner, theirs[2], tiny, "next log-probs on the CUDA device vs the CPU")

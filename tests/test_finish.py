@@ -61,8 +61,8 @@ def test_a_value_its_schema_refuses_is_invalid(tiny):
 
 
 def test_the_package_names_reasons_only_through_the_type():
-    # a string equal to a reason, anywhere in the package's code (docstrings and dict keys,
-    # which name request fields such as vLLM's "max_tokens", aside), is a reason written
+    # a string equal to a reason, anywhere in the package's code (docstrings, dict keys and
+    # subscripts, which name fields such as vLLM's "max_tokens", aside), is a reason written
     # past the type; and every member the code names exists
     values = {m.value for m in R}
     bad = []
@@ -77,6 +77,8 @@ def test_the_package_names_reasons_only_through_the_type():
                 aside.add(id(node.value))
             elif isinstance(node, ast.Dict):
                 aside |= {id(k) for k in node.keys if k is not None}
+            elif isinstance(node, ast.Subscript):            # table["eos"]: a key, too
+                aside.add(id(node.slice))
         for node in ast.walk(tree):
             if (isinstance(node, ast.Constant) and node.value in values
                     and id(node) not in aside):
