@@ -121,7 +121,7 @@ def main(model=None) -> None:
             latencies = [one(m) for m in messages]
             keep("one after another", time.perf_counter() - start, latencies)
     print(f"\n== the web service: {CLIENTS} requests (reply <= {MAX_TOKENS} tokens, a choice, "
-          f"a JSON ticket), {fast.name} on llama.cpp, best of {ROUNDS}")
+          f"a JSON ticket), {fast.name}, best of {ROUNDS}")
     base = best["run_batch (64 threads)"][0]
     for name, (wall, latencies) in best.items():
         print(_row(name, wall, latencies, base))
