@@ -21,6 +21,16 @@ def pytest_addoption(parser):
     parser.addoption("--device", default="cpu", help="device of tests/gpu/ (default: cpu)")
 
 
+@pytest.fixture(scope="module")
+def device(request) -> torch.device:
+    """tests/gpu/'s device (``--device``: the CPU in ``make test``, CUDA in ``make
+    gpu-check``); skipped where it names CUDA and there is none."""
+    name = request.config.getoption("--device")
+    if torch.device(name).type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return torch.device(name)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """A 2-layer random Llama with the real tokenizer; shared, so tests must not assume an empty store."""
@@ -111,7 +121,8 @@ def prefill_slack(model) -> int:
 def hf_generate(model, ids: list[int], n: int) -> list[int]:
     """Hugging Face ``generate``'s greedy tokens after ``ids`` on ``model``'s weights, up to
     ``n``, without the EOS that ends them (a state does not keep it)."""
-    out = model.hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+    out = model.hf_model.generate(torch.tensor([ids], device=model.hf_model.device),
+                                  max_new_tokens=n, do_sample=False,
                                   pad_token_id=model.pad_token_id)[0].tolist()[len(ids):]
     ends = [i for i, t in enumerate(out) if t in model.eos_token_ids]
     return out[: ends[0]] if ends else out

@@ -16,17 +16,10 @@ import pytest
 import torch
 
 import seqstate as ss
+from conftest import hf_generate
 
 TIE = 1e-3        # DESIGN.md's exactness bound on logits, between devices and paths
 PROMPTS = ["Hello there, my name is", "The capital of France"]
-
-
-@pytest.fixture(scope="module")
-def device(request) -> torch.device:
-    name = request.config.getoption("--device")
-    if torch.device(name).type == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    return torch.device(name)
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +55,6 @@ def assert_same_up_to_ties(reference, prompt: list[int], got: list[int], want: l
 def generated(state) -> list[list[int]]:
     """Each row's tokens of its last call."""
     return [list(r.tokens[r.spans[-1].start: r.spans[-1].end]) for r in state.rows]
-
-
-def hf_generate(model, ids: list[int], n: int) -> list[int]:
-    """Hugging Face ``generate``'s greedy tokens on the model's device, without the EOS."""
-    out = model.hf_model.generate(torch.tensor([ids], device=model.device), max_new_tokens=n,
-                                  do_sample=False, pad_token_id=model.pad_token_id)
-    out = out[0, len(ids):].tolist()
-    ends = [i for i, t in enumerate(out) if t in model.eos_token_ids]
-    return out[: ends[0]] if ends else out
 
 
 def test_the_model_is_on_the_device(model, device):

@@ -17,19 +17,12 @@ import pytest
 import torch
 
 import seqstate as ss
+from conftest import hf_generate
 
 PROMPTS = ["Hello there, my name is", "The capital of France"]
 ULP = 2.0 ** -7          # bfloat16's spacing just above 1: 8 bits of mantissa
 SPREAD = 8               # units of the last place two paths' logits may differ by (a sum of
                          # a hidden size of products, rounded at every layer)
-
-
-@pytest.fixture(scope="module")
-def device(request) -> torch.device:
-    name = request.config.getoption("--device")
-    if torch.device(name).type == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    return torch.device(name)
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +38,6 @@ def folder(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def model(folder, device) -> ss.models.HFModel:
     return ss.models.transformers(folder, device=device, dtype=torch.bfloat16)
-
-
-def hf_generate(model, ids: list[int], n: int) -> list[int]:
-    out = model.hf_model.generate(torch.tensor([ids], device=model.device), max_new_tokens=n,
-                                  do_sample=False, pad_token_id=model.pad_token_id)
-    out = out[0, len(ids):].tolist()
-    ends = [i for i, t in enumerate(out) if t in model.eos_token_ids]
-    return out[: ends[0]] if ends else out
 
 
 def test_the_loader_puts_the_weights_on_the_device_in_bfloat16(model, device):
