@@ -124,9 +124,9 @@ class RequestRunner:
         """Continue every row by server requests; yields what ``observe`` returns as tokens
         arrive (and `PAUSE` to an awaiting ``caller`` while none has), returns the results.
         Closing the generator early (a cancelled call) or the caller's deadline closes every
-        request of the call, which aborts it on the server.  A failed request (the server unreachable, dead,
-        refusing) raises its typed error after every other request of the call is closed; no
-        state changes.  ``speculate`` changes nothing: the server drafts on its own.
+        request of the call, which aborts it on the server.  A failed request (the server
+        unreachable, dead, refusing) raises its typed error after every other request of the
+        call is closed; no state changes.  ``speculate`` changes nothing: the server drafts on its own.
 
         With ``hooks``, each row is a request of its own and its hooks see every streamed
         token (``event.logits`` is None: the server sends the token's log-prob only).  At a
