@@ -126,7 +126,8 @@ class RequestRunner:
         Closing the generator early (a cancelled call) or the caller's deadline closes every
         request of the call, which aborts it on the server.  A failed request (the server
         unreachable, dead, refusing) raises its typed error after every other request of the
-        call is closed; no state changes.  ``speculate`` changes nothing: the server drafts on its own.
+        call is closed; no state changes.  ``speculate`` changes nothing: the server drafts on
+        its own.
 
         With ``hooks``, each row is a request of its own and its hooks see every streamed
         token (``event.logits`` is None: the server sends the token's log-prob only).  At a
