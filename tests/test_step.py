@@ -1,9 +1,12 @@
 """The step API reproduces the engine's output when fed the same logits."""
 
 import random
+from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import seqstate as ss
 from seqstate.constraints.grammar import GrammarCursor
@@ -11,7 +14,9 @@ from seqstate.constraints.healing import HealingCursor
 from seqstate.detokenize import StopMatcher
 from seqstate.engine import RowRequest, Stepper, generate
 from seqstate.engine.rows import LiveRow
-from seqstate.engine.step import allowed_mask, allowed_masks
+from seqstate.engine.step import allowed_mask, allowed_masks, constrained
+from seqstate.sampling import functions
+from seqstate.sampling.functions import greedy_tokens
 
 
 def drive(model, stepper):
@@ -92,3 +97,44 @@ def test_batched_masks_equal_per_row_masks(tiny):
         assert got.shape == want.shape and torch.equal(got, want)
     free = LiveRow(RowRequest(tuple(tiny.encode("Hi")), 8), tiny.vocab, tiny.eos_token_ids)
     assert allowed_masks([free, free], tiny.vocab.size, torch.device("cpu")) is None
+
+
+# logits with ties (few distinct values), NaN and +-inf: the fast paths must pick what the
+# plain torch operations pick
+_VALUES = st.sampled_from([0.0, 1.0, 2.5, -3.0, float("inf"), float("-inf"), float("nan")])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(4000, 9000), st.integers(0, 2**31 - 1),
+       st.lists(st.tuples(st.integers(0, 10**6), _VALUES), max_size=6), st.booleans())
+def test_greedy_tokens_is_argmax(rows, vocab, seed, spikes, ties):
+    """The CPU's chunked greedy picks argmax's index, first on ties, NaN as argmax ranks it."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randint(0, 3, (rows, vocab), generator=g).float() if ties
+              else torch.randn(rows, vocab, generator=g))
+    for at, value in spikes:
+        logits.view(-1)[at % logits.numel()] = value
+    with mock.patch.object(functions, "GREEDY_CHUNKED", 0):        # chunked at any size
+        assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+        assert torch.equal(greedy_tokens(logits[:, :-3]), logits[:, :-3].argmax(dim=-1))
+        assert torch.equal(greedy_tokens(logits.T.contiguous().T), logits.argmax(dim=-1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 300), st.integers(0, 2**31 - 1), st.floats(0, 1),
+       st.lists(st.tuples(st.integers(0, 10**4), _VALUES), max_size=4))
+def test_constrained_is_where(rows, vocab, seed, density, spikes):
+    """Masking by a +-inf bias equals torch.where on finite logits; with NaN or inf present
+    the step passes finite=False and gets torch.where itself."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 30
+    allowed = torch.rand(rows, vocab, generator=g) < density
+    expected = torch.where(allowed, logits, float("-inf"))
+    assert torch.equal(constrained(logits, allowed, finite=True), expected)
+    out = torch.empty(rows + 2, vocab)[:rows]
+    assert torch.equal(constrained(logits, allowed, True, out), expected)
+    for at, value in spikes:
+        logits.view(-1)[at % logits.numel()] = value
+    expected = torch.where(allowed, logits, float("-inf"))
+    assert torch.allclose(constrained(logits, allowed, finite=False), expected, rtol=0, atol=0,
+                          equal_nan=True)

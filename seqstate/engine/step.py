@@ -21,7 +21,8 @@ from seqstate.finish import FinishReason
 from seqstate.hooks import Replace, Rollback, SampleEvent, checked
 from seqstate.sampling.params import Greedy, Sampler
 
-__all__ = ["Stepper", "StepEvent", "allowed_mask", "allowed_masks", "DEFAULT_MAX_BACKTRACKS"]
+__all__ = ["Stepper", "StepEvent", "allowed_mask", "allowed_masks", "constrained",
+           "DEFAULT_MAX_BACKTRACKS"]
 
 DEFAULT_MAX_BACKTRACKS = 32
 # logits (rows x vocab) from which a CPU step computes the log-softmax on a helper thread while
@@ -89,6 +90,25 @@ def allowed_masks(rows: Sequence[LiveRow], vocab_size: int,
     return mask
 
 
+def constrained(logits: torch.Tensor, allowed: torch.Tensor, finite: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits`` where ``allowed`` (bool, same shape), -inf elsewhere, written to ``out`` (a
+    tensor like ``logits``; a new one when None).
+
+    With ``finite`` logits (no NaN or inf anywhere) this is the minimum of the logits and a
+    +inf/-inf bias made from the mask: arithmetic the CPU vectorizes, several times faster
+    than ``torch.where`` on a bool mask (a (64, 49152) batch: ~2 ms against ~12 ms, one
+    thread).  Otherwise it is ``torch.where``, which keeps a NaN from leaking out of a
+    disallowed token.
+    """
+    if out is None:
+        out = torch.empty_like(logits)
+    if not finite:
+        return out.copy_(torch.where(allowed, logits, float("-inf")))
+    bias = torch.add(allowed.view(torch.uint8), -0.5, out=out).mul_(float("inf"))  # +-inf
+    return torch.minimum(logits, bias, out=out)
+
+
 class Stepper:
     """Sampling, constraints, hooks and stop handling over logits computed by the caller.
 
@@ -123,6 +143,7 @@ class Stepper:
         self.hooks = tuple(hooks)
         self.max_backtracks = max_backtracks
         self._helper: ThreadPoolExecutor | None = None
+        self._buffer: torch.Tensor | None = None
 
     @property
     def live(self) -> list[int]:
@@ -142,6 +163,16 @@ class Stepper:
         if self._helper is not None:
             self._helper.shutdown(wait=False)
             self._helper = None
+
+    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """A (B, V) tensor like ``like`` for this step's masked logits, reused from step to
+        step (rows only end, so the first step's is the largest): a fresh one each step costs
+        the page faults of mapping it again."""
+        b = self._buffer
+        if (b is None or b.shape[0] < like.shape[0] or b.shape[1:] != like.shape[1:]
+                or b.dtype != like.dtype or b.device != like.device):
+            b = self._buffer = torch.empty_like(like)
+        return b[: like.shape[0]]
 
     def _log_softmax(self, logits: torch.Tensor):
         """``() -> logits.log_softmax(-1)``: on a large CPU batch computed on a helper thread
@@ -171,8 +202,9 @@ class Stepper:
                               f"({len(live)}, vocab) in `live` order, got {got}; feed one row of "
                               f"logits per row of stepper.live (or of `rows`)")
         # a finite peak means a finite logit: the whole check only where a row's peak is not
-        if (not torch.isfinite(logits.amax(dim=-1)).all()                               # (B,)
-                and not torch.isfinite(logits).any(dim=-1).all()):
+        # (a NaN anywhere in a row makes its peak NaN)
+        finite = bool(torch.isfinite(logits.amax(dim=-1)).all())                       # (B,)
+        if not finite and not torch.isfinite(logits).any(dim=-1).all():
             raise LogitsError(f"a row's logits are all NaN/inf (dtype {logits.dtype}): most likely "
                               "the model's forward overflowed in float16/bfloat16; load it with "
                               "dtype=torch.float32 (or bfloat16 rather than float16), else check "
@@ -185,7 +217,7 @@ class Stepper:
             # hooks' resampling bans write into `masked`; with neither it is `logits`
             masked = logits.clone() if self.hooks else logits
         else:
-            masked = torch.where(allowed, logits, float("-inf"))                       # (B, V)
+            masked = constrained(logits, allowed, finite, self._scratch(logits))        # (B, V)
         events = self._dead_ends(live, allowed, logits, masked)
         # 2. sample every row at once; the model's own log-prob of each sampled token
         sampled = self._choose(masked, live)                                            # (B,)
