@@ -63,8 +63,9 @@ HOST: dict[tuple[str, str, str], str] = {
     ("seqstate/backends/hf/packed.py", "_score_group", "full"): _HOST_INPUTS,
     ("seqstate/backends/hf/packed.py", "_score_group", "zeros"): _HOST_INPUTS,
     ("seqstate/backends/hf/packed.py", "_score_group", "arange"): _HOST_INPUTS,
-    ("seqstate/backends/hf/packed.py", "_score_group", "tensor"): _HOST_INPUTS,
-    ("seqstate/backends/hf/packed.py", "_score_group", "ones"): _HOST_INPUTS,
+    ("seqstate/backends/hf/packed.py", "_place", "tensor"): _HOST_INPUTS,
+    ("seqstate/backends/hf/packed.py", "_place", "arange"): _HOST_INPUTS,
+    ("seqstate/backends/hf/packed.py", "_place", "ones"): _HOST_INPUTS,
     ("seqstate/scores.py", "Scores._table", "full"):
         "a table of Python floats for the user (the log-probs already came back as floats), "
         "on the host like state.weights",

@@ -8,6 +8,7 @@ import torch
 
 import seqstate as ss
 from seqstate.backends import scoring
+from seqstate.backends.hf import packed
 from seqstate.errors import ArgumentError, BatchMismatch, ContextOverflowError
 
 from conftest import assert_close, fresh_logprobs
@@ -161,6 +162,36 @@ def test_each_prefix_is_computed_once_and_continuations_are_not_stored(fresh_tin
     assert second.decode_tokens == len(contexts) + sum(len(o) - 1 for opts in options
                                                        for o in opts)
     assert m.stats.kv_bytes_cached == _trie_size(contexts) * _bytes_per_token(m)
+
+
+@pytest.mark.parametrize("line", [1, 48, 4096])
+def test_contexts_side_by_side_on_one_row_are_exact(fresh_tiny, monkeypatch, line):
+    """The HF engine puts contexts side by side on one row of a forward, each seeing its own
+    stored past (the row's past is the union of their stored paths): contexts whose stored
+    paths differ (one stored beforehand with a longer prefix, questions that share their
+    first words, one with nothing stored), options of shared beginnings, lines of one
+    context, a few and all of them.  Every log-prob is exact, each context is stored, and
+    side by side takes fewer forwards than one context a row."""
+    m = fresh_tiny
+    monkeypatch.setattr(packed, "LINE_COLUMNS", line)
+    shots = m.encode(" ".join(f"Example {i}: the answer is {i * 7}." for i in range(6)))
+    ss.from_tokens(m, [shots + m.encode(" Question 3: how many")]).score([" x"])  # stored
+    contexts = [shots + m.encode(f" Question {q}: how many {'dogs' * (q % 3)}?")
+                for q in range(9)] + [m.encode("Unrelated: a text of its own?")]
+    options = [[m.encode(f" {w} ({q * k})") for k, w in enumerate(["one", "one more", "two"])]
+               for q in range(len(contexts))]
+    rows = []
+    score_group = packed._score_group
+    monkeypatch.setattr(packed, "_score_group", lambda backend, group, pairs: (
+        rows.append(len(group)), score_group(backend, group, pairs))[1])
+    state = ss.from_tokens(m, contexts)
+    scores = state.score(options)
+    _check(m, state, scores)
+    for context in contexts:                                           # each context stored
+        assert m.store.match(context).length == len(context)
+    # rows through the model; at any width the unrelated context keeps a row of its own: the
+    # past the others would add to it is more than the columns it feeds
+    assert sum(rows) == {1: len(contexts), 48: 4, 4096: 2}[line]
 
 
 def test_options_that_begin_alike_feed_their_common_part_once(fresh_tiny):
