@@ -105,7 +105,7 @@ def constrained(logits: torch.Tensor, allowed: torch.Tensor, finite: bool = Fals
         out = torch.empty_like(logits)
     if not finite:
         return out.copy_(torch.where(allowed, logits, float("-inf")))
-    bias = torch.add(allowed.view(torch.uint8), -0.5, out=out).mul_(float("inf"))  # +-inf
+    bias = out.copy_(allowed.view(torch.uint8)).sub_(0.5).mul_(float("inf"))     # +-inf
     return torch.minimum(logits, bias, out=out)
 
 

@@ -103,6 +103,7 @@ def _packable(backend: Any, pairs: list[Pair]) -> bool:
 
 
 def _window(backend: Any) -> int | None:
+    """The model's sliding attention window, if it has one."""
     return getattr(backend.hf_model.config.get_text_config(decoder=True), "sliding_window", None)
 
 
