@@ -166,8 +166,8 @@ class Stepper:
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
         """A (B, V) tensor like ``like`` for this step's masked logits, reused from step to
-        step (rows only end, so the first step's is the largest): a fresh one each step costs
-        the page faults of mapping it again."""
+        step and grown when a step has more rows than any before: a fresh one each step
+        costs the page faults of mapping it again."""
         b = self._buffer
         if (b is None or b.shape[0] < like.shape[0] or b.shape[1:] != like.shape[1:]
                 or b.dtype != like.dtype or b.device != like.device):
