@@ -45,8 +45,12 @@ class KVBuffer:
         """Copy ``handle``'s KV into ``row`` so that it ends just before column ``end``."""
         col = end - handle.length
         for seg, lo, hi in handle.pieces():
-            self.data[:, :, row, :, col: col + hi - lo] = seg.kv[:, :, :, lo:hi]
+            self.load_span(row, seg, lo, hi, col)
             col += hi - lo
+
+    def load_span(self, row: int, segment, lo: int, hi: int, col: int) -> None:
+        """Copy a stored segment's columns ``[lo, hi)`` into ``row`` from column ``col``."""
+        self.data[:, :, row, :, col: col + hi - lo] = segment.kv[:, :, :, lo:hi]
 
     def take(self, row: int, lo: int, hi: int) -> torch.Tensor:
         """An owned copy of ``row``'s columns ``[lo, hi)``: ``(layers, 2, kv_heads, n, head_dim)``."""

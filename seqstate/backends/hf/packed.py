@@ -225,7 +225,7 @@ def _score_group(backend: Any, group: list[_Line], pairs: list[Pair]
     for i, line in enumerate(group):
         at, col = {}, past - line.past          # the line's past, right-aligned: each segment
         for key, (seg, hi) in line.spans.items():                       # once
-            buf.data[:, :, i, :, col: col + hi] = seg.kv[:, :, :, :hi]
+            buf.load_span(i, seg, 0, hi, col)
             at[key], col = col, col + hi
         col, k = width - line.width, 0          # contexts side by side, right-aligned
         for row in line.contexts:
