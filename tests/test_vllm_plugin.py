@@ -137,7 +137,8 @@ def test_a_regex_build_is_bounded_in_memory(served, plugin):
     build = plugin.module("build")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(build.MIB_ENV, "64")
-        built = build.Builder().build(keys.REGEX, PATHOLOGICAL).result(timeout=60)
+        patch.setenv(build.SECONDS_ENV, "120")     # the memory bound ends it, on a slow CPU too
+        built = build.Builder().build(keys.REGEX, PATHOLOGICAL).result(timeout=180)
     assert built.failure == wire.BOUND and "MiB" in built.reason, built
 
 
