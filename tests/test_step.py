@@ -138,3 +138,86 @@ def test_constrained_is_where(rows, vocab, seed, density, spikes):
     expected = torch.where(allowed, logits, float("-inf"))
     assert torch.allclose(constrained(logits, allowed, finite=False), expected, rtol=0, atol=0,
                           equal_nan=True)
+
+
+def _fresh(cursor):
+    """``cursor`` as it was before anything asked for its mask (llguidance's caches it)."""
+    if isinstance(cursor, GrammarCursor):
+        return GrammarCursor(cursor.constraint, cursor.matcher.deep_copy())
+    return cursor
+
+
+@pytest.fixture(scope="module")
+def walked(tiny):
+    """Cursors of every kind along random walks: regex (EOS where final), JSON (forced
+    bytes where a key, a const or an enum's shared start comes next) and Lark grammars,
+    token healing."""
+    rng = random.Random(1)
+    starts = [ss.constraints.regex(tiny, r"[a-z ]{1,20}\.(yes|no)"),
+              ss.constraints.json_schema(tiny, {"type": "object", "properties": {
+                  "name": {"type": "string"}, "n": {"type": "integer"},
+                  "b": {"const": "hello world"}, "tags": {"enum": ["alpha beta", "alpha gamma"]}},
+                  "required": ["name", "n", "b", "tags"]}),
+              ss.constraints.cfg(tiny, ss.grammars.load("arithmetic"))]
+    cursors = [c for s in starts for c in _walk(s.start(), rng, 14)[::2]]
+    return cursors + [HealingCursor(tiny.vocab, b" wor"), HealingCursor(tiny.vocab, b"x")]
+
+
+def test_allows_is_the_mask_for_every_token(tiny, walked):
+    """`Cursor.allows` answers what `allowed()` says of every id (past the vocabulary too),
+    whether the cursor built its mask yet or not."""
+    rng = random.Random(0)
+    size = tiny.vocab.size
+    for cursor in walked:
+        mask = _fresh(cursor).allowed()
+        allowed = set(mask.nonzero().flatten().tolist())
+        # the rarer side whole (a string's refused quotes, a key's few starts), a sample of
+        # the rest, EOS and ids past the vocabulary
+        rare = allowed if len(allowed) < size / 2 else set(range(size)) - allowed
+        ids = sorted(rare | set(rng.sample(range(size), 1500)) | set(tiny.eos_token_ids)
+                     | {size, size + 2})
+        fresh = _fresh(cursor)
+        wrong = [t for t in ids if fresh.allows(t) != (t in allowed)]
+        assert not wrong, (cursor, wrong[:5])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([3, 10**6]), st.floats(0, 1))
+def test_greedy_step_is_the_masked_argmax(tiny, walked, seed, levels, spiked):
+    """A greedy step checks each row's best token and masks only the rows it refuses: the
+    tokens are the argmax of every row's masked logits (ties to the first id), dead ends end
+    their rows, and a row whose best token is allowed never builds its mask."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    cursors = rng.sample(walked, 8) + [None, None]
+    rows = []
+    for k, cursor in enumerate(cursors):
+        row = LiveRow(RowRequest(tuple(tiny.encode("Hi")), 64, _fresh(cursor)), tiny.vocab,
+                      tiny.eos_token_ids)
+        if k % 4 == 3:
+            row.bans[len(row.tokens)] = {rng.randrange(tiny.vocab.size) for _ in range(3)}
+        rows.append(row)
+    reference = [LiveRow(r.req, r.vocab, r.eos) for r in rows]      # the rows' twins
+    for a, b in zip(reference, rows):
+        a.bans, a.cursor = b.bans, _fresh(b.cursor)
+    masks = allowed_masks(reference, tiny.vocab.size, torch.device("cpu"))
+    logits = torch.randint(0, levels, (len(rows), tiny.vocab.size), generator=g).float()
+    for j in range(len(rows)):                   # some rows' best token allowed, some not
+        if rng.random() < spiked:
+            logits[j, rng.choice(masks[j].nonzero().flatten().tolist() or [0])] = levels
+    expected = torch.where(masks, logits, float("-inf")).argmax(-1).tolist()
+    dead = (~masks.any(-1)).tolist()
+    best = logits.argmax(-1).tolist()
+    before = [row.cursor for row in rows]
+    stepper = Stepper(tiny, [], rows=rows)
+    events = {ev.row: ev for ev in stepper.step(logits)}
+    for j, row in enumerate(rows):
+        if dead[j]:
+            assert row.finish_reason == ss.FinishReason.DEAD_END
+        elif expected[j] in tiny.eos_token_ids:
+            assert events[j].token is None and row.done
+        else:
+            assert events[j].token == expected[j] and row.tokens[-1] == expected[j]
+        if (isinstance(before[j], GrammarCursor) and not before[j].forced()
+                and reference[j].allows(best[j])):
+            assert before[j]._bits is None                  # it never built its mask

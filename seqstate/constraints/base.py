@@ -26,6 +26,13 @@ class Cursor(ABC):
     def allowed(self) -> torch.Tensor:
         """Bool mask (V,) of tokens allowed next; EOS ids are allowed when ``accepting``."""
 
+    def allows(self, token: int) -> bool:
+        """Whether ``token`` may come next: ``allowed()[token]`` (an id past the mask never).
+        Cursors that can answer for one token without building the mask override it: a
+        greedy step asks this of its best token first."""
+        mask = self.allowed()
+        return token < mask.shape[0] and bool(mask[token])
+
     @classmethod
     def prepare(cls, cursors: list[Cursor]) -> None:
         """Compute the ``allowed`` masks of several cursors of this class together, before the

@@ -160,7 +160,7 @@ class GrammarConstraint(Constraint):
 class GrammarCursor(Cursor):
     """An llguidance matcher owned by exactly one generated token; never advanced in place."""
 
-    __slots__ = ("constraint", "matcher", "_bits", "_mask", "_draft")
+    __slots__ = ("constraint", "matcher", "_bits", "_mask", "_draft", "_forced")
 
     def __init__(self, constraint: GrammarConstraint, matcher) -> None:
         self.constraint = constraint
@@ -168,6 +168,7 @@ class GrammarCursor(Cursor):
         self._bits: np.ndarray | None = None
         self._mask: torch.Tensor | None = None
         self._draft: tuple[int, ...] | None = None
+        self._forced: bytes | None = None
 
     def compiled(self) -> GrammarConstraint:
         return self.constraint
@@ -179,8 +180,7 @@ class GrammarCursor(Cursor):
         llguidance's own fast-forward tokens, which stop where the next token could merge
         with text the model chooses."""
         if self._draft is None:
-            forced = self.matcher.compute_ff_bytes()
-            text = forced.decode("utf-8", "ignore")
+            text = self.forced().decode("utf-8", "ignore")
             tokens = self.constraint.model.encode(text) if text else []
             self._draft = tuple(tokens[: self.matcher.validate_tokens(tokens)])
         return self._draft
@@ -192,6 +192,25 @@ class GrammarCursor(Cursor):
             packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
             self._keep(np.unpackbits(packed, bitorder="little"))
         return self._mask
+
+    def forced(self) -> bytes:
+        """The bytes the grammar forces next (llguidance's fast-forward bytes)."""
+        if self._forced is None:
+            self._forced = self.matcher.compute_ff_bytes()
+        return self._forced
+
+    def allows(self, token: int) -> bool:
+        """One token checked by the matcher (about a microsecond) unless the mask is known or
+        the grammar forces bytes: there the mask also refuses a token that spells only the
+        start of a longer one the forced bytes make canonical (``h`` where ``hello``
+        follows), which the matcher alone would take."""
+        if self._bits is None and self.forced():
+            self.allowed()
+        if self._bits is not None:
+            return token < self._bits.shape[0] and bool(self._bits[token])
+        if token in self.constraint.eos:
+            return self.accepting
+        return token < self.constraint.vocab_size and self.matcher.validate_tokens([token]) == 1
 
     @classmethod
     def prepare(cls, cursors: list[GrammarCursor]) -> None:

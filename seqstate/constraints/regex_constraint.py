@@ -278,6 +278,12 @@ class RegexCursor(Cursor):
     def allowed(self) -> torch.Tensor:
         return self.constraint.mask(self.state)
 
+    def allows(self, token: int) -> bool:
+        """One transition looked up in the index; EOS where the state is final."""
+        if token in self.constraint.eos:
+            return self.accepting
+        return self.constraint.index.get_next_state(self.state, token) is not None
+
     def draft(self) -> tuple[int, ...]:
         """Tokens the constraint forces next, canonically tokenized (a speculation draft)."""
         return self.constraint.draft(self.state)

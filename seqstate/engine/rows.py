@@ -96,6 +96,13 @@ class LiveRow:
     def generated(self) -> list[int]:
         return self.tokens[self.start:]
 
+    def allows(self, token: int) -> bool:
+        """Whether ``token`` may come next: not banned here, and allowed by the cursor."""
+        banned = self.bans.get(len(self.tokens))
+        if banned and token in banned:
+            return False
+        return self.cursor is None or self.cursor.allows(token)
+
     def finish(self, reason: FinishReason) -> None:
         self.finish_reason = reason
         self.text += self.decoder.flush()

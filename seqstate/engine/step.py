@@ -19,6 +19,7 @@ from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.errors import LogitsError
 from seqstate.finish import FinishReason
 from seqstate.hooks import Replace, Rollback, SampleEvent, checked
+from seqstate.sampling.functions import greedy_tokens
 from seqstate.sampling.params import Greedy, Sampler
 
 __all__ = ["Stepper", "StepEvent", "allowed_mask", "allowed_masks", "constrained",
@@ -211,17 +212,22 @@ class Stepper:
                               "its weights or the custom step that made these logits")
         logits = logits.float()
         pending = self._log_softmax(logits)                                             # (B, V)
-        # 1. constrain: disallowed tokens get -inf; a row with nothing allowed is a dead end
-        allowed = allowed_masks([self.rows[i] for i in live], logits.shape[-1], logits.device)
-        if allowed is None:
-            # hooks' resampling bans write into `masked`; with neither it is `logits`
-            masked = logits.clone() if self.hooks else logits
+        if finite and not self.hooks and isinstance(self.sampler, Greedy):
+            sampled, chosen, events = self._greedy(live, logits)
         else:
-            masked = constrained(logits, allowed, finite, self._scratch(logits))        # (B, V)
-        events = self._dead_ends(live, allowed, logits, masked)
-        # 2. sample every row at once; the model's own log-prob of each sampled token
-        sampled = self._choose(masked, live)                                            # (B,)
-        chosen = sampled.tolist()
+            # 1. constrain: disallowed tokens get -inf; a row with nothing allowed is a dead end
+            allowed = allowed_masks([self.rows[i] for i in live], logits.shape[-1],
+                                    logits.device)
+            if allowed is None:
+                # hooks' resampling bans write into `masked`; with neither it is `logits`
+                masked = logits.clone() if self.hooks else logits
+            else:
+                masked = constrained(logits, allowed, finite, self._scratch(logits))    # (B, V)
+            events = self._dead_ends(live, allowed, logits, masked)
+            # 2. sample every row at once
+            sampled = self._choose(masked, live)                                        # (B,)
+            chosen = sampled.tolist()
+        # the model's own log-prob of each sampled token
         logprobs = pending()                                                            # (B, V)
         picked = logprobs.gather(1, sampled.long()[:, None]).squeeze(1).tolist()       # (B,)
         # 3. hooks may replace, resample or roll back; 4. accept
@@ -240,6 +246,30 @@ class Stepper:
             accepted = token if len(row.tokens) > before else None   # EOS is not appended
             events.append(StepEvent(i, accepted, chunk, 0, row.finish_reason))
         return events
+
+    def _greedy(self, live: Sequence[int], logits: torch.Tensor
+                ) -> tuple[torch.Tensor, list[int], list[StepEvent]]:
+        """Greedy's tokens (B,) (and as a list), masking only the rows that need it: a row whose best token
+        its cursor and bans allow takes it (the masked argmax is the same token, ties too: no
+        allowed token before it holds the same value); the others are masked and take their
+        best allowed token.  With a trained model most rows' best token is allowed, so most
+        steps build no mask at all (a JSON cursor checks one token, not the vocabulary)."""
+        sampled = greedy_tokens(logits)                                                 # (B,)
+        best = sampled.tolist()
+        refused = [j for j, i in enumerate(live) if not self.rows[i].allows(best[j])]
+        if not refused:
+            return sampled, best, []
+        rows = [live[j] for j in refused]
+        allowed = allowed_masks([self.rows[i] for i in rows], logits.shape[-1], logits.device)
+        where = torch.tensor(refused, device=logits.device)                            # (R,)
+        some = logits.index_select(0, where)                                           # (R, V)
+        masked = constrained(some, allowed, True, self._scratch(some))                 # (R, V)
+        events = self._dead_ends(rows, allowed, some, masked)
+        chosen = greedy_tokens(masked)                                                  # (R,)
+        sampled[where] = chosen
+        for j, token in zip(refused, chosen.tolist()):
+            best[j] = token
+        return sampled, best, events
 
     def _dead_ends(self, live: Sequence[int], allowed: torch.Tensor | None,
                    logits: torch.Tensor, masked: torch.Tensor) -> list[StepEvent]:
