@@ -203,8 +203,13 @@ class Stepper:
                               f"({len(live)}, vocab) in `live` order, got {got}; feed one row of "
                               f"logits per row of stepper.live (or of `rows`)")
         # a finite peak means a finite logit: the whole check only where a row's peak is not
-        # (a NaN anywhere in a row makes its peak NaN)
-        finite = bool(torch.isfinite(logits.amax(dim=-1)).all())                       # (B,)
+        # (a NaN anywhere in a row makes its peak NaN, and argmax picks a NaN); greedy reads
+        # each row's peak at its best token, found once for the check and the choice
+        best = (greedy_tokens(logits) if not self.hooks and isinstance(self.sampler, Greedy)
+                else None)                                                              # (B,)
+        peaks = (logits.amax(dim=-1) if best is None
+                 else logits.gather(1, best[:, None]).squeeze(1))                       # (B,)
+        finite = bool(torch.isfinite(peaks).all())
         if not finite and not torch.isfinite(logits).any(dim=-1).all():
             raise LogitsError(f"a row's logits are all NaN/inf (dtype {logits.dtype}): most likely "
                               "the model's forward overflowed in float16/bfloat16; load it with "
@@ -212,8 +217,8 @@ class Stepper:
                               "its weights or the custom step that made these logits")
         logits = logits.float()
         pending = self._log_softmax(logits)                                             # (B, V)
-        if finite and not self.hooks and isinstance(self.sampler, Greedy):
-            sampled, chosen, events = self._greedy(live, logits)
+        if finite and best is not None:
+            sampled, chosen, events = self._greedy(live, logits, best)
         else:
             # 1. constrain: disallowed tokens get -inf; a row with nothing allowed is a dead end
             allowed = allowed_masks([self.rows[i] for i in live], logits.shape[-1],
@@ -247,14 +252,14 @@ class Stepper:
             events.append(StepEvent(i, accepted, chunk, 0, row.finish_reason))
         return events
 
-    def _greedy(self, live: Sequence[int], logits: torch.Tensor
+    def _greedy(self, live: Sequence[int], logits: torch.Tensor, sampled: torch.Tensor
                 ) -> tuple[torch.Tensor, list[int], list[StepEvent]]:
-        """Greedy's tokens (B,) (and as a list), masking only the rows that need it: a row whose best token
-        its cursor and bans allow takes it (the masked argmax is the same token, ties too: no
-        allowed token before it holds the same value); the others are masked and take their
-        best allowed token.  With a trained model most rows' best token is allowed, so most
-        steps build no mask at all (a JSON cursor checks one token, not the vocabulary)."""
-        sampled = greedy_tokens(logits)                                                 # (B,)
+        """Greedy's tokens (B,) (and as a list) from each row's best token ``sampled`` (B,),
+        masking only the rows that need it: a row whose best token its cursor and bans allow
+        takes it (the masked argmax is the same token, ties too: no allowed token before it
+        holds the same value); the others are masked and take their best allowed token.
+        With a trained model most rows' best token is allowed, so most steps build no mask
+        at all (a JSON cursor checks one token, not the vocabulary)."""
         best = sampled.tolist()
         refused = [j for j, i in enumerate(live) if not self.rows[i].allows(best[j])]
         if not refused:
