@@ -14,7 +14,7 @@ __all__ = ["greedy_tokens", "race_sample", "check_logprobs", "filter_top_k", "fi
 # of GREEDY_CHUNK logits holding each row's peak first, then the peak within that chunk (from
 # GREEDY_CHUNKED logits on: below, the extra operations cost more than they save)
 GREEDY_CHUNK = 1024
-GREEDY_CHUNKED = 1 << 18
+GREEDY_CHUNKED = 1 << 15
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,11 @@ class HFBackend(StepBackend):
     def __init__(self, hf_model: Any, *, pad_token_id: int,
                  kv_budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
         self.hf_model = hf_model
+        # where the model is, read off its first parameter, looked up by name each time (a
+        # move may replace the parameter): `hf_model.device` costs ~6 us, several times a step
+        first, _ = next(hf_model.named_parameters())
+        owner, _, self._anchor_name = first.rpartition(".")
+        self._anchor_owner = hf_model.get_submodule(owner)
         self.pad_token_id = pad_token_id
         self.store = KVStore(kv_budget_bytes)
         self.guard = HookGuard(hf_model, self.store)     # no hooked KV into the store
@@ -94,7 +99,7 @@ class HFBackend(StepBackend):
 
     @property
     def device(self) -> torch.device:
-        return self.hf_model.device
+        return getattr(self._anchor_owner, self._anchor_name).device
 
     @property
     def dtype(self) -> torch.dtype:
