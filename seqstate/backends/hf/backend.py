@@ -108,14 +108,15 @@ class HFBackend(StepBackend):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 position_ids: torch.Tensor, cache: Any, *,
-                logits: bool | str | torch.Tensor = True
+                logits: bool | torch.Tensor = True
                 ) -> torch.Tensor | None:
         """Run ``input_ids`` (B, T) over ``cache``; last-position logits (B, V) in float32 or None.
 
         ``attention_mask`` (B, past + T) may be None when no row is padded; a 4-D float mask
         (B, 1, T, past + T) is used as it is (`seqstate.backends.hf.packed`).
-        ``logits=False`` skips the LM head (prefill); ``logits="all"`` returns every
-        position's (B, T, V), a ``(B, k)`` tensor of positions those positions' (B, k, V).
+        ``logits=False`` skips the LM head (prefill); a ``(B, k)`` tensor of positions gives
+        those positions' (B, k, V), a ``(B, T)`` boolean tensor its True positions' (N, V), row
+        by row.
         Refused (`seqstate.ActivationHookError`) on a hooked model outside ``frozen_store()``.
         """
         self.guard.check()
@@ -139,8 +140,7 @@ class HFBackend(StepBackend):
             if logits is True:
                 out = self.hf_model(**kwargs, logits_to_keep=1)
                 return out.logits[:, -1, :].float()               # (B, V)
-            keep = 0 if isinstance(logits, str) else logits
-            return self.hf_model(**kwargs, logits_to_keep=keep).logits.float()   # (B, k, V)
+            return self.hf_model(**kwargs, logits_to_keep=logits).logits.float()  # (B, k, V) | (N, V)
         finally:
             if threads < team:
                 self._omp.omp_set_num_threads(team)

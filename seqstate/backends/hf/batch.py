@@ -167,14 +167,19 @@ class HFBatch:
 
     def extend(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         fed = {self.row_of[s]: list(f) for s, f in zip(slots, feeds)}
-        logits = self._feed(fed, max(map(len, feeds)), "all")                          # (B, k, V)
-        return [logits[self.row_of[s], : len(f)] for s, f in zip(slots, feeds)]
+        logits = self._feed(fed, max(map(len, feeds)), "fed")                # (N, V), by row
+        at, n = {}, 0
+        for r in sorted(fed):
+            at[r], n = n, n + len(fed[r])
+        return [logits[at[r]: at[r] + len(fed[r])] for r in (self.row_of[s] for s in slots)]
 
     def _feed(self, fed: dict[int, list[int]], k: int, which: str) -> torch.Tensor:
         """One forward of ``k`` new columns: buffer row ``r`` gets ``fed[r]`` then junk;
         rows not fed ride along on junk (their output is dropped; a finished row needs no
         mask).  Junk columns come after a row's fed tokens, so causal attention never sees
-        them; they are masked out when the row is fed again."""
+        them; they are masked out when the row is fed again.  Logits (B, V) of every row's
+        last column (``which="last"``), or (N, V) of the fed columns only, row by row
+        (``"fed"``: the LM head, most of a small model's forward, skips the junk)."""
         buf, backend = self.buf, self.backend
         backend.guard.check()                     # before this batch changes (and in forward)
         if buf.length + k > buf.capacity:
@@ -195,8 +200,11 @@ class HFBatch:
             for r in fed:
                 if self.frozen[r] is None:
                     self.frozen[r] = len(self.cols[r])
+        if which == "fed":
+            lengths = torch.tensor([len(fed.get(r, ())) for r in range(buf.rows)])     # (B,)
+            keep = (torch.arange(k) < lengths[:, None]).to(device)                      # (B, k)
         logits = backend.forward(ids.to(device), step_mask, pos.to(device), as_cache(buf),
-                                 logits=True if which == "last" else "all")
+                                 logits=True if which == "last" else keep)
         buf.length += k
         for r in range(buf.rows):
             n = len(fed.get(r, ()))

@@ -37,7 +37,7 @@ class Network(Protocol):
     dtype: torch.dtype
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor, cache: Any, *, logits: bool | str = True
+                position_ids: torch.Tensor, cache: Any, *, logits: bool | torch.Tensor = True
                 ) -> torch.Tensor | None: ...
 
     def count(self, **deltas: int) -> None: ...
