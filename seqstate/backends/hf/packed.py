@@ -44,7 +44,7 @@ from seqstate.backends.hf.buffer import KVBuffer
 from seqstate.backends.hf.cache import as_cache
 from seqstate.backends.hf.prefill import ensure_shared_kv
 from seqstate.backends.hf.store import KVHandle
-from seqstate.sampling.functions import check_logprobs
+from seqstate.sampling.functions import check_logprobs, greedy_tokens
 
 __all__ = ["score_packed"]
 
@@ -250,7 +250,7 @@ def _score_group(backend: Any, group: list[_Line], pairs: list[Pair]
     # forward's logits are an inference tensor, written in place only in inference mode
     with torch.inference_mode():
         logprobs = check_logprobs(torch.log_softmax(logits, -1, out=logits))    # (B, K, V)
-    best = logprobs.argmax(-1)                                                   # (B, K)
+    best = greedy_tokens(logprobs.flatten(0, 1)).view(logprobs.shape[:2])      # (B, K)
     out = []
     for i, row, end, k in placed:
         for j in row.pairs:
