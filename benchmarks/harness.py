@@ -22,6 +22,12 @@ def best_of(fn: Callable[[], object], repeat: int = 3, warmup: int = 1) -> float
 def interleaved(fns: list[Callable[[], object]], repeat: int = 7, warmup: int = 1) -> list[float]:
     """Median wall time of each of ``fns``, timed in turns (A B A B ...) so that a machine
     getting faster or slower over the run (other processes, clocks) affects every one alike."""
+    return [statistics.median(t) for t in interleaved_runs(fns, repeat, warmup)]
+
+
+def interleaved_runs(fns: list[Callable[[], object]], repeat: int = 7,
+                     warmup: int = 1) -> list[list[float]]:
+    """Every run's wall time of each of ``fns``, timed in turns (see `interleaved`)."""
     for _ in range(warmup):
         for fn in fns:
             fn()
@@ -31,7 +37,7 @@ def interleaved(fns: list[Callable[[], object]], repeat: int = 7, warmup: int = 
             t0 = time.perf_counter()
             fn()
             out.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    return times
 
 
 def report(title: str, rows: list[tuple[str, float, str]], baseline: str) -> None:

@@ -7,6 +7,12 @@ row (the figures say how many it did), one thread, timed in turns with a batched
 loop over a ``DynamicCache``; per decode step = a whole call (prompt prefill included on both
 sides) divided by the tokens per row.
 
+On the CPU it also prints each loop's own time per step: a call's wall time less the time
+inside the model's forward (its causal LM or its decoder, outermost call), medians of the
+interleaved runs.  It moves far less than the ratios when the machine's speed changes from
+minute to minute (a VM shared with others: the hand loop's forward alone moved 1.2-1.8 ms at
+one row between runs), so compare engines by it on a noisy machine.
+
 ``python -m benchmarks overhead`` runs it on the tiny model and on SmolLM2 (this CPU);
 ``python -m benchmarks.overhead --device cuda`` runs it on a GPU, on the tiny model and on a
 random-weight ~0.9B Llama in bfloat16 (a forward that costs what a real one of that size
@@ -16,12 +22,14 @@ costs; no weights needed), where the engine's own cost per step is what a GPU us
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import seqstate as ss
-from benchmarks.harness import interleaved
+from benchmarks.harness import interleaved_runs
 
 NEW = 32
 ROWS = (1, 16, 64)
@@ -80,6 +88,37 @@ def run(model, gen, rows: list[list[int]]) -> ss.SequenceState:
     return gen(ss.from_tokens(model, rows), max_tokens=NEW)
 
 
+class ForwardClock:
+    """Seconds spent inside ``hf_model``'s forward (its causal LM or its decoder, whichever
+    is called outermost), while in a ``with`` block."""
+
+    def __init__(self, hf_model) -> None:
+        self.modules = [hf_model, hf_model.get_decoder()]
+        self.seconds = 0.0
+        self._depth = 0
+
+    def __enter__(self) -> ForwardClock:
+        for module in self.modules:
+            module.forward = self._timed(module.forward)     # the instance's, over its class's
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module in self.modules:
+            del module.forward
+
+    def _timed(self, forward):
+        def timed(*args, **kwargs):
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if not self._depth:
+                    self.seconds += time.perf_counter() - start
+        return timed
+
+
 def tokens_per_row(state, rows: list[list[int]]) -> list[int]:
     return [len(t) - len(p) for t, p in zip((r for b in state.token_ids for r in b), rows)]
 
@@ -95,11 +134,28 @@ def measure(model, label: str, repeat: int) -> None:
         counts = {n: tokens_per_row(run(model, g, rows), rows) for n, g in gens.items()}
         fns = [lambda: hand_loop(model, rows, NEW)]
         fns += [lambda g=g: run(model, g, rows) for g in gens.values()]
-        times = interleaved(fns, repeat=repeat)
+        forwards: list[list[float]] = [[] for _ in fns]
+
+        def clocked(fn, out):
+            def call():
+                clock.seconds = 0.0
+                fn()
+                out.append(clock.seconds)
+            return call
+
+        with ForwardClock(model.hf_model) as clock:
+            runs = interleaved_runs([clocked(f, o) for f, o in zip(fns, forwards)], repeat)
+        times = [statistics.median(t) for t in runs]
         hand = times[0] / NEW
         cells = [f"{t / NEW * 1e3:7.2f} ms ({t / NEW / hand:4.2f}x)" for t in times[1:]]
         print(f"  {b:>4} {hand * 1e3:7.2f} ms " + " ".join(f"{c:>18}" for c in cells) + "   "
               + ", ".join(f"{n} {min(c)}-{max(c)}" for n, c in counts.items()))
+        if model.backend.device.type == "cpu":       # a GPU's forward returns before it ends
+            # the warmup's forwards are in each list first
+            own = [statistics.median(w - f for w, f in zip(t, fw[-len(t):])) / NEW * 1e6
+                   for t, fw in zip(runs, forwards)]
+            print(f"  {'':>4} own per step: hand loop {own[0]:.0f} us, "
+                  + ", ".join(f"{n} {u:.0f} us" for n, u in zip(gens, own[1:])))
 
 
 def main(model, repeat: int = 7) -> None:
