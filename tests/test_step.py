@@ -66,6 +66,20 @@ def _walk(cursor, rng: random.Random, steps: int) -> list:
     return out
 
 
+def _fresh(cursor):
+    """``cursor`` as it was before anything asked for its mask (llguidance's caches it)."""
+    if isinstance(cursor, GrammarCursor):
+        return GrammarCursor(cursor.constraint, cursor.matcher.deep_copy())
+    return cursor
+
+
+def _twin(row: LiveRow) -> LiveRow:
+    """A row like ``row`` (its request and bans) whose cursor has no mask computed yet."""
+    twin = LiveRow(row.req, row.vocab, row.eos)
+    twin.bans, twin.cursor = row.bans, _fresh(row.cursor)
+    return twin
+
+
 def test_batched_masks_equal_per_row_masks(tiny):
     # the step's (B, V) masks against each row's own `allowed_mask` on many states: regex,
     # JSON and Lark cursors along random walks, healing cursors, unconstrained rows, bans
@@ -85,11 +99,7 @@ def test_batched_masks_equal_per_row_masks(tiny):
         rows.append(row)
     # fresh cursors everywhere (no mask computed yet), so the batch fills llguidance's masks
     # in parallel; the per-row reference computes each of its copies alone
-    fresh = [LiveRow(r.req, r.vocab, r.eos) for r in rows]
-    for a, b in zip(fresh, rows):
-        a.bans = b.bans
-        a.cursor = (type(b.cursor)(b.cursor.constraint, b.cursor.matcher.deep_copy())
-                    if isinstance(b.cursor, GrammarCursor) else b.cursor)
+    fresh = [_twin(r) for r in rows]
     for width in (tiny.vocab.size, tiny.vocab.size + 7):     # logits may be wider than V
         want = torch.stack([m if m is not None else torch.ones(width, dtype=torch.bool)
                             for m in (allowed_mask(r, width) for r in rows)])
@@ -138,13 +148,6 @@ def test_constrained_is_where(rows, vocab, seed, density, spikes):
     expected = torch.where(allowed, logits, float("-inf"))
     assert torch.allclose(constrained(logits, allowed, finite=False), expected, rtol=0, atol=0,
                           equal_nan=True)
-
-
-def _fresh(cursor):
-    """``cursor`` as it was before anything asked for its mask (llguidance's caches it)."""
-    if isinstance(cursor, GrammarCursor):
-        return GrammarCursor(cursor.constraint, cursor.matcher.deep_copy())
-    return cursor
 
 
 @pytest.fixture(scope="module")
@@ -197,9 +200,7 @@ def test_greedy_step_is_the_masked_argmax(tiny, walked, seed, levels, spiked):
         if k % 4 == 3:
             row.bans[len(row.tokens)] = {rng.randrange(tiny.vocab.size) for _ in range(3)}
         rows.append(row)
-    reference = [LiveRow(r.req, r.vocab, r.eos) for r in rows]      # the rows' twins
-    for a, b in zip(reference, rows):
-        a.bans, a.cursor = b.bans, _fresh(b.cursor)
+    reference = [_twin(r) for r in rows]
     masks = allowed_masks(reference, tiny.vocab.size, torch.device("cpu"))
     logits = torch.randint(0, levels, (len(rows), tiny.vocab.size), generator=g).float()
     for j in range(len(rows)):                   # some rows' best token allowed, some not
