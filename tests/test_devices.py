@@ -54,8 +54,7 @@ HOST: dict[tuple[str, str, str], str] = {
     ("seqstate/backends/hf/batch.py", "HFBatch.*", "zeros"): _HOST_MASK,
     ("seqstate/backends/hf/batch.py", "HFBatch._compact", "tensor"):
         "row indexes of the host mask; KVBuffer.keep_rows moves them to the buffer's device",
-    ("seqstate/backends/hf/batch.py", "HFBatch._feed", "tensor"): _HOST_INPUTS,
-    ("seqstate/backends/hf/batch.py", "HFBatch._feed", "arange"): _HOST_INPUTS,
+    ("seqstate/backends/hf/batch.py", "HFBatch._feed", "frombuffer"): _HOST_INPUTS,
     ("seqstate/backends/hf/prefill.py", "run_tails", "full"): _HOST_INPUTS,
     ("seqstate/backends/hf/prefill.py", "run_tails", "zeros"): _HOST_INPUTS,
     ("seqstate/backends/hf/prefill.py", "run_tails", "tensor"): _HOST_INPUTS,

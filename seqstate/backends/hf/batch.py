@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import torch
@@ -191,20 +192,28 @@ class HFBatch:
                 self.junk[r].clear()
                 self.padded = True
         pad, device = backend.pad_token_id, backend.device
-        ids = torch.tensor([(fed.get(r, []) + [pad] * k)[:k] for r in range(buf.rows)])  # (B, k)
-        start = torch.tensor([self.bases[r].length + len(self.cols[r]) for r in range(buf.rows)])
-        pos = start[:, None] + torch.arange(k)                                            # (B, k)
+        # each row's tokens, their positions and (for "fed") which of them give logits: one
+        # (2 or 3, B, k) tensor made from a flat array (~10x faster than from nested lists at
+        # 64 rows), one copy to the device
+        rows = range(buf.rows)
+        flat = array("q")
+        for r in rows:
+            flat.extend((fed.get(r, []) + [pad] * k)[:k])
+        for r in rows:
+            start = self.bases[r].length + len(self.cols[r])
+            flat.extend(range(start, start + k))
+        if which == "fed":
+            for n in (len(fed.get(r, ())) for r in rows):
+                flat.extend([1] * n + [0] * (k - n))
+        ids, pos, *keep = torch.frombuffer(flat, dtype=torch.int64).view(-1, buf.rows, k).to(device)
         self.mask[:, col: col + k] = 1
         step_mask = self.mask[:, : col + k].to(device) if self.padded else None
         if backend.store.frozen:              # before the forward: what it computes is scratch
             for r in fed:
                 if self.frozen[r] is None:
                     self.frozen[r] = len(self.cols[r])
-        if which == "fed":
-            lengths = torch.tensor([len(fed.get(r, ())) for r in range(buf.rows)])     # (B,)
-            keep = (torch.arange(k) < lengths[:, None]).to(device)                      # (B, k)
-        logits = backend.forward(ids.to(device), step_mask, pos.to(device), as_cache(buf),
-                                 logits=True if which == "last" else keep)
+        logits = backend.forward(ids, step_mask, pos, as_cache(buf),
+                                 logits=True if which == "last" else keep[0].bool())
         buf.length += k
         for r in range(buf.rows):
             n = len(fed.get(r, ()))
