@@ -6,8 +6,8 @@ import torch
 
 from seqstate.errors import LogitsError
 
-__all__ = ["greedy_tokens", "greedy_peaks", "race_sample", "check_logprobs", "filter_top_k", "filter_top_p",
-           "filter_min_p", "repetition_penalty", "presence_frequency_penalty"]
+__all__ = ["greedy_tokens", "greedy_peaks", "race_sample", "check_logprobs", "filter_top_k",
+           "filter_top_p", "filter_min_p", "repetition_penalty", "presence_frequency_penalty"]
 
 
 # the CPU's argmax is a scalar loop; its amax is vectorized: a large CPU batch finds the chunk
