@@ -5,7 +5,9 @@ GPU is next to the engine's Python), whatever the engine does around the forward
 sampling, bookkeeping, detokenisation.  Every program decodes the same number of tokens per
 row (the figures say how many it did), one thread, timed in turns with a batched HF forward
 loop over a ``DynamicCache``; per decode step = a whole call (prompt prefill included on both
-sides) divided by the tokens per row.
+sides) divided by the tokens per row.  The table gives each loop's best run and its ratio to
+the hand loop's best (what the machine allows; a shared VM's speed moves between runs), and
+the ratios of the medians below it.
 
 On the CPU it also prints each loop's own time per step: a call's wall time less the time
 inside the model's forward (its causal LM or its decoder, outermost call), medians of the
@@ -145,11 +147,15 @@ def measure(model, label: str, repeat: int) -> None:
 
         with ForwardClock(model.hf_model) as clock:
             runs = interleaved_runs([clocked(f, o) for f, o in zip(fns, forwards)], repeat)
-        times = [statistics.median(t) for t in runs]
-        hand = times[0] / NEW
-        cells = [f"{t / NEW * 1e3:7.2f} ms ({t / NEW / hand:4.2f}x)" for t in times[1:]]
+        # the best run of each (what the machine allows; its speed moves between runs), and
+        # below it the medians' ratios
+        best, median = [min(t) for t in runs], [statistics.median(t) for t in runs]
+        hand = best[0] / NEW
+        cells = [f"{t / NEW * 1e3:7.2f} ms ({t / best[0]:4.2f}x)" for t in best[1:]]
         print(f"  {b:>4} {hand * 1e3:7.2f} ms " + " ".join(f"{c:>18}" for c in cells) + "   "
               + ", ".join(f"{n} {min(c)}-{max(c)}" for n, c in counts.items()))
+        print(f"  {'':>4} medians: hand loop {median[0] / NEW * 1e3:.2f} ms, "
+              + ", ".join(f"{n} {t / median[0]:.2f}x" for n, t in zip(gens, median[1:])))
         if model.backend.device.type == "cpu":       # a GPU's forward returns before it ends
             # the warmup's forwards are in each list first
             own = [statistics.median(w - f for w, f in zip(t, fw[-len(t):])) / NEW * 1e6

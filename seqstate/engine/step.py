@@ -27,9 +27,9 @@ __all__ = ["Stepper", "StepEvent", "allowed_mask", "allowed_masks", "constrained
            "DEFAULT_MAX_BACKTRACKS"]
 
 DEFAULT_MAX_BACKTRACKS = 32
-# logits (rows x vocab) from which a CPU step that masks or samples computes the log-softmax on a
-# helper thread meanwhile (torch releases the GIL): below it, handing over costs more than it
-# saves; a greedy step that masks no row computes it at once (nothing to overlap)
+# logits (rows x vocab) from which a CPU step computes the log-softmax on a helper thread while
+# it finds the best tokens, masks and samples (torch releases the GIL): below it, handing over
+# costs more than it saves
 OVERLAP_ELEMENTS = 1 << 19
 
 
@@ -177,11 +177,11 @@ class Stepper:
             b = self._buffer = torch.empty_like(like)
         return b[: like.shape[0]]
 
-    def _log_softmax(self, logits: torch.Tensor, overlap: bool):
-        """``() -> logits.log_softmax(-1)``: on a large CPU batch with other work in this step
-        to ``overlap`` (masks, a sampler), computed on a helper thread from now on and waited
-        for when called; otherwise now (handing it over costs more than it saves)."""
-        if not overlap or logits.device.type != "cpu" or logits.numel() < OVERLAP_ELEMENTS:
+    def _log_softmax(self, logits: torch.Tensor):
+        """``() -> logits.log_softmax(-1)``: on a large CPU batch computed on a helper thread
+        from now on, beside the rest of the step (greedy's reductions, the masks, the
+        sampler), and waited for when called."""
+        if logits.device.type != "cpu" or logits.numel() < OVERLAP_ELEMENTS:
             done = logits.log_softmax(dim=-1)
             return lambda: done
         if self._helper is None:
@@ -205,27 +205,23 @@ class Stepper:
             raise LogitsError(f"expected logits for {len(live)} live rows, a tensor of shape "
                               f"({len(live)}, vocab) in `live` order, got {got}; feed one row of "
                               f"logits per row of stepper.live (or of `rows`)")
+        greedy = not self.hooks and isinstance(self.sampler, Greedy)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        pending = self._log_softmax(logits)          # beside the rest of the step (B, V)
         # a finite peak means a finite logit: the whole check only where a row's peak is not
         # (a NaN anywhere in a row makes its peak NaN, and argmax picks a NaN); greedy finds
         # each row's best token with its peak, for the check and the choice at once
-        greedy = not self.hooks and isinstance(self.sampler, Greedy)
         peaks, best = greedy_peaks(logits) if greedy else (logits.amax(dim=-1), None)  # (B,)
         finite = all(map(math.isfinite, peaks.tolist()))
         if not finite and not torch.isfinite(logits).any(dim=-1).all():
+            pending()                               # not left running on the helper thread
             raise LogitsError(f"a row's logits are all NaN/inf (dtype {logits.dtype}): most likely "
                               "the model's forward overflowed in float16/bfloat16; load it with "
                               "dtype=torch.float32 (or bfloat16 rather than float16), else check "
                               "its weights or the custom step that made these logits")
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        # the log-softmax beside the work of constrained rows (masks, a sampler), if any
-        pending = self._log_softmax(logits, overlap=not greedy or any(
-            self.rows[i].cursor is not None or self.rows[i].bans for i in live))        # (B, V)
         if finite and greedy:
-            # a row whose best token its cursor and bans allow takes it; the others are masked
-            chosen = best.tolist()
-            refused = [j for j, i in enumerate(live) if not self.rows[i].allows(chosen[j])]
-            sampled, events = self._greedy(live, logits, best, chosen, refused)
+            sampled, chosen, events = self._greedy(live, logits, best)
         else:
             # 1. constrain: disallowed tokens get -inf; a row with nothing allowed is a dead end
             allowed = allowed_masks([self.rows[i] for i in live], logits.shape[-1],
@@ -259,28 +255,29 @@ class Stepper:
             events.append(StepEvent(i, accepted, chunk, 0, row.finish_reason))
         return events
 
-    def _greedy(self, live: Sequence[int], logits: torch.Tensor, sampled: torch.Tensor,
-                chosen: list[int], refused: list[int]) -> tuple[torch.Tensor, list[StepEvent]]:
-        """Greedy's tokens (B,) from each row's best token ``sampled`` (B,) (``chosen``, the
-        same as a list, is updated in place), masking only the ``refused`` rows (positions in
-        ``live``), those whose cursor or bans refuse their best token: they take their best
-        allowed token.  A row that allows its best token takes it (the masked argmax is the
-        same token, ties too: no allowed token before it holds the same value).  With a
-        trained model most rows' best token is allowed, so most steps build no mask at all
-        (a JSON cursor checks one token, not the vocabulary)."""
+    def _greedy(self, live: Sequence[int], logits: torch.Tensor, sampled: torch.Tensor
+                ) -> tuple[torch.Tensor, list[int], list[StepEvent]]:
+        """Greedy's tokens (B,) (and as a list) from each row's best token ``sampled`` (B,),
+        masking only the rows that need it: a row whose best token its cursor and bans allow
+        takes it (the masked argmax is the same token, ties too: no allowed token before it
+        holds the same value); the others are masked and take their best allowed token.
+        With a trained model most rows' best token is allowed, so most steps build no mask
+        at all (a JSON cursor checks one token, not the vocabulary)."""
+        best = sampled.tolist()
+        refused = [j for j, i in enumerate(live) if not self.rows[i].allows(best[j])]
         if not refused:
-            return sampled, []
+            return sampled, best, []
         rows = [live[j] for j in refused]
         allowed = allowed_masks([self.rows[i] for i in rows], logits.shape[-1], logits.device)
         where = torch.tensor(refused, device=logits.device)                            # (R,)
         some = logits.index_select(0, where)                                           # (R, V)
         masked = constrained(some, allowed, True, self._scratch(some))                 # (R, V)
         events = self._dead_ends(rows, allowed, some, masked)
-        tokens = greedy_tokens(masked)                                                  # (R,)
-        sampled[where] = tokens
-        for j, token in zip(refused, tokens.tolist()):
-            chosen[j] = token
-        return sampled, events
+        chosen = greedy_tokens(masked)                                                  # (R,)
+        sampled[where] = chosen
+        for j, token in zip(refused, chosen.tolist()):
+            best[j] = token
+        return sampled, best, events
 
     def _dead_ends(self, live: Sequence[int], allowed: torch.Tensor | None,
                    logits: torch.Tensor, masked: torch.Tensor) -> list[StepEvent]:
