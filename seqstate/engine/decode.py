@@ -86,13 +86,17 @@ class DecodeJob(Job):
         room = row.req.max_new - (len(row.generated) - row.respelled) - 1
         return row.cursor.draft()[:room] if room > 0 else ()
 
-    def step(self, batch, logits: list[torch.Tensor]) -> bool:
+    def step(self, batch, logits: torch.Tensor | list[torch.Tensor]) -> bool:
         # position j of every row still following its draft: sample, run hooks, accept; a row
         # stops at the first token that differs from its draft (a sampler's own choice, a
         # hook's replacement or rollback, or the end of the row)
         live = self.stepper.live
-        mine = dict(zip(live, logits))
-        following, j, accepted = live, 0, 0
+        if isinstance(logits, torch.Tensor):         # no draft this step: a row per live row
+            self.stepper.step(logits, live)
+            following, accepted = [], 0
+        else:
+            mine = dict(zip(live, logits))
+            following, j, accepted = live, 0, 0
         while following:
             events = self.stepper.step(_rows([mine[i][j] for i in following]), following)
             kept = {ev.row for ev in events if ev.token is not None and not ev.rolled_back

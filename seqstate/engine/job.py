@@ -10,7 +10,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["Job"]
+__all__ = ["Job", "last_logits"]
+
+
+def last_logits(logits: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    """A job's logits at each slot's last fed token, ``(n, V)``: the tensor itself when every
+    slot was fed one token, else each slot's last row stacked."""
+    return logits if isinstance(logits, torch.Tensor) else torch.stack([lg[-1] for lg in logits])
 
 
 class Job:
@@ -51,8 +57,10 @@ class Job:
         """``(slots, feeds)`` to feed this step: one or more tokens per slot."""
         raise NotImplementedError
 
-    def step(self, batch, logits: list[torch.Tensor]) -> bool:
-        """Consume this job's logits, ``(len(feeds[j]), V)`` per slot; True when finished."""
+    def step(self, batch, logits: torch.Tensor | list[torch.Tensor]) -> bool:
+        """Consume this job's logits, ``(len(feeds[j]), V)`` per slot, or one ``(n, V)``
+        tensor, a row per slot, when every slot of the step was fed one token (see
+        `last_logits`); True when finished."""
         raise NotImplementedError
 
     def run(self, backend) -> bool:

@@ -68,15 +68,17 @@ class _Run:
                     self.running.remove(job)
                     self.blocked = False
 
-    def _forward(self, wants: dict[Job, tuple[list[int], list[list[int]]]]) -> list[torch.Tensor]:
-        """Logits for every running job's feeds, pausing the newest jobs while they do not fit.
-        Any other exception is no one job's: it propagates (the worker resets the batch)."""
+    def _forward(self, wants: dict[Job, tuple[list[int], list[list[int]]]]
+                 ) -> torch.Tensor | list[torch.Tensor]:
+        """Logits for every running job's feeds (as `Job.step` takes them), pausing the newest
+        jobs while they do not fit.  Any other exception is no one job's: it propagates (the
+        worker resets the batch)."""
         while self.running:
             slots = [s for job in self.running for s in wants[job][0]]
             feeds = [f for job in self.running for f in wants[job][1]]
             try:
-                if all(len(f) == 1 for f in feeds):
-                    return list(self.batch.forward(slots, [f[0] for f in feeds]).unsqueeze(1))
+                if all(len(f) == 1 for f in feeds):           # (B, V): a row per slot
+                    return self.batch.forward(slots, [f[0] for f in feeds])
                 return self.batch.extend(slots, feeds)        # a draft: logits at every token
             except ContextOverflowError as exc:
                 self._settle()

@@ -22,7 +22,7 @@ import torch
 
 from seqstate.backends.base import Handle, Scored
 from seqstate.backends.scoring import prefix_groups, store_rows
-from seqstate.engine.job import Job
+from seqstate.engine.job import Job, last_logits
 from seqstate.sampling.functions import check_logprobs
 
 __all__ = ["score", "next_logprobs", "score_in_parts", "next_in_batch", "store_in_parts",
@@ -135,8 +135,8 @@ class NextJob(Job):
     def wants(self) -> tuple[list[int], list[list[int]]]:
         return list(self.slots), [[row[-1]] for row in self.rows]
 
-    def step(self, batch, logits: list[torch.Tensor]) -> bool:
-        out = check_logprobs(torch.stack([lg[-1].float().log_softmax(-1) for lg in logits]))
+    def step(self, batch, logits: torch.Tensor | list[torch.Tensor]) -> bool:
+        out = check_logprobs(last_logits(logits).float().log_softmax(-1))
         for slot, row in zip(self.slots, self.rows):
             batch.commit(slot, row, len(row))
         self._release(batch)

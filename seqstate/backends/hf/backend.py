@@ -138,9 +138,8 @@ class HFBackend(StepBackend):
                 self._decoder(**kwargs)                            # prefill: skip the LM head
                 return None
             if logits is True:
-                out = self.hf_model(**kwargs, logits_to_keep=1)
-                return out.logits[:, -1, :].float()               # (B, V)
-            return self.hf_model(**kwargs, logits_to_keep=logits).logits.float()  # (B, k, V) | (N, V)
+                return _float(self.hf_model(**kwargs, logits_to_keep=1).logits[:, -1])  # (B, V)
+            return _float(self.hf_model(**kwargs, logits_to_keep=logits).logits)  # (B, k, V) | (N, V)
         finally:
             if threads < team:
                 self._omp.omp_set_num_threads(team)
@@ -167,3 +166,8 @@ class HFBackend(StepBackend):
         """See ``Backend.score``: a group of contexts a forward (`seqstate.backends.hf.packed`);
         with ``store=True``, `seqstate.backends.scoring` over this engine's batches."""
         return score_pairs(self, pairs, store=True) if store else score_packed(self, pairs)
+
+
+def _float(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` in float32 (no operation where they are already: each costs, after a forward)."""
+    return logits if logits.dtype == torch.float32 else logits.float()
