@@ -138,6 +138,12 @@ class TokenVocabulary:
         return out
 
     @cached_property
+    def token_text(self) -> list[str | None]:
+        """``token_text[i]``: token ``i``'s text where its bytes are whole UTF-8 characters on
+        their own, else None (a piece of a character: only a decoder can join it)."""
+        return [_whole_text(b) for b in self.token_bytes]
+
+    @cached_property
     def sorted_bytes(self) -> tuple[list[bytes], list[int]]:
         """Token bytes in sorted order with their ids: tokens sharing a prefix are contiguous."""
         pairs = sorted((b, i) for i, b in enumerate(self.token_bytes)
@@ -217,6 +223,13 @@ class TokenVocabulary:
         return k, target[len(kept):]
 
 
+def _whole_text(piece: bytes) -> str | None:
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 class IncrementalDecoder:
     """Turns a stream of token ids into text chunks that never split a character."""
 
@@ -225,6 +238,10 @@ class IncrementalDecoder:
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token: int) -> str:
+        if not self._dec.buffer:             # no character pending: a whole token's own text
+            text = self._vocab.token_text[token]
+            if text is not None:
+                return text
         return self._dec.decode(self._vocab.token_bytes[token])
 
     def flush(self) -> str:

@@ -1,9 +1,14 @@
 """Streaming: UTF-8-safe chunks, stop-string hold-back, chunks concatenate to the final text."""
 
+import codecs
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import seqstate as ss
 from conftest import collect
+from seqstate.detokenize import IncrementalDecoder
 
 
 def test_multibyte_chunks_concatenate_exactly(tiny):
@@ -58,3 +63,19 @@ def test_stream_with_a_hook_that_gives_no_lookback_holds_everything(tiny):
 
     chunks, state = collect(ss.text(tiny).stream("Hello", max_tokens=10, hooks=[late_rollback]))
     assert fired and "".join(chunks) == state.value
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 10**6)), max_size=24))
+def test_detokenizer_chunks_are_the_bytes_decoded(tiny, picks):
+    """The incremental detokenizer (a whole token's own text where no character is pending)
+    gives exactly what a UTF-8 incremental decoder gives for the same bytes, chunk by chunk."""
+    vocab = tiny.vocab
+    partial = [i for i, t in enumerate(vocab.token_text) if t is None and vocab.token_bytes[i]]
+    assert partial, "the vocabulary has tokens holding part of a character"
+    tokens = [partial[k % len(partial)] if broken else k % vocab.size for broken, k in picks]
+    ours, reference = IncrementalDecoder(vocab), codecs.getincrementaldecoder("utf-8")("replace")
+    for t in tokens:
+        assert ours.push(t) == reference.decode(vocab.token_bytes[t])
+        ours = ours.copy()
+    assert ours.flush() == reference.decode(b"", final=True)
