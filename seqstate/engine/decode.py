@@ -126,8 +126,10 @@ class DecodeJob(Job):
 
 
 def _rows(rows: list[torch.Tensor]) -> torch.Tensor:
-    """The rows (V,) as one (B, V) tensor: a view where they are already consecutive rows of
-    one tensor (a step's logits, every row fed one token), else a stacked copy."""
+    """The rows (V,) of a draft step's logits at one position as one (B, V) tensor: a view
+    where they are already consecutive rows of one tensor (rows side by side that were fed one
+    token each, or a single row), else a stacked copy.  A step without drafts never comes
+    here: its jobs get the forward's (B, V) tensor as it is."""
     first = rows[0]
     step = first.shape[0] * first.element_size()
     base, storage = first.data_ptr(), first.untyped_storage().data_ptr()
