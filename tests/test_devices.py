@@ -48,6 +48,9 @@ _HOST_MASK = ("the attention mask's bookkeeping stays on the host (per-row colum
 _HOST_INPUTS = ("input ids, positions and attention masks built from Python lists on the "
                 "host, copied to the device once per forward (.to(device)): one copy instead of one per row")
 
+_ON_THE_LOGITS_HOST = ("NumPy's argmax of CPU logits only (`_host_argmax` is None for any other "
+                       "device): the CPU is the logits' device")
+
 # (file, function, factory) -> why this tensor is made on the CPU on purpose.  The function is
 # a qualname, or "Class.*" for every method of a class.
 HOST: dict[tuple[str, str, str], str] = {
@@ -65,6 +68,8 @@ HOST: dict[tuple[str, str, str], str] = {
     ("seqstate/backends/hf/packed.py", "_place", "tensor"): _HOST_INPUTS,
     ("seqstate/backends/hf/packed.py", "_place", "arange"): _HOST_INPUTS,
     ("seqstate/backends/hf/packed.py", "_place", "ones"): _HOST_INPUTS,
+    ("seqstate/sampling/functions.py", "greedy_tokens", "from_numpy"): _ON_THE_LOGITS_HOST,
+    ("seqstate/sampling/functions.py", "greedy_peaks", "from_numpy"): _ON_THE_LOGITS_HOST,
     ("seqstate/scores.py", "Scores._table", "full"):
         "a table of Python floats for the user (the log-probs already came back as floats), "
         "on the host like state.weights",

@@ -1,7 +1,6 @@
 """The step API reproduces the engine's output when fed the same logits."""
 
 import random
-from unittest import mock
 
 import pytest
 import torch
@@ -15,8 +14,7 @@ from seqstate.detokenize import StopMatcher
 from seqstate.engine import RowRequest, Stepper, generate
 from seqstate.engine.rows import LiveRow
 from seqstate.engine.step import allowed_mask, allowed_masks, constrained
-from seqstate.sampling import functions
-from seqstate.sampling.functions import greedy_peaks, greedy_tokens
+from seqstate.sampling.functions import greedy_peaks, greedy_tokens, picked_values
 
 
 def drive(model, stepper):
@@ -118,22 +116,26 @@ _VALUES = st.sampled_from([0.0, 1.0, 2.5, -3.0, float("inf"), float("-inf"), flo
 @given(st.integers(1, 5), st.integers(4000, 9000), st.integers(0, 2**31 - 1),
        st.lists(st.tuples(st.integers(0, 10**6), _VALUES), max_size=6), st.booleans())
 def test_greedy_tokens_is_argmax(rows, vocab, seed, spikes, ties):
-    """The CPU's greedy, chunked or one reduction, picks argmax's index, first on ties, NaN as
-    argmax ranks it, and `greedy_peaks` gives the logit there."""
+    """The CPU's greedy (NumPy's argmax) picks torch's argmax index, first on ties, NaN as
+    argmax ranks it, in every float dtype and layout; `greedy_peaks` gives the logit there and
+    `picked_values` any index's."""
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randint(0, 3, (rows, vocab), generator=g).float() if ties
               else torch.randn(rows, vocab, generator=g))
     for at, value in spikes:
         logits.view(-1)[at % logits.numel()] = value
-    for threshold in (0, 1 << 62):                  # chunked at any size, then never
-        with mock.patch.object(functions, "GREEDY_CHUNKED", threshold):
-            for x in (logits, logits[:, :-3], logits.T.contiguous().T):
-                best = x.argmax(dim=-1)
-                assert torch.equal(greedy_tokens(x), best)
-                peaks, found = greedy_peaks(x)
-                assert torch.equal(found, best)
-                torch.testing.assert_close(peaks, x.gather(1, best[:, None]).squeeze(1),
-                                           rtol=0, atol=0, equal_nan=True)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        for x in (logits.to(dtype), logits[:, :-3].to(dtype), logits.to(dtype).T.contiguous().T):
+            best = x.argmax(dim=-1)
+            assert torch.equal(greedy_tokens(x), best)
+            peaks, found = greedy_peaks(x)
+            assert torch.equal(found, best)
+            want = x.gather(1, best[:, None]).squeeze(1)
+            torch.testing.assert_close(peaks, want, rtol=0, atol=0, equal_nan=True)
+            other = torch.randint(0, x.shape[1], (rows,), generator=g)
+            torch.testing.assert_close(torch.tensor(picked_values(x, other), dtype=torch.float64),
+                                       x.gather(1, other[:, None]).squeeze(1).double(),
+                                       rtol=0, atol=0, equal_nan=True)
 
 
 @settings(max_examples=60, deadline=None)

@@ -45,7 +45,7 @@ class _Run:
         self.waiting.sort(key=lambda job: job.order)
         for job in [j for j in self.jobs if j.cancelled]:
             self._end(job, RuntimeError("cancelled"))
-        if not self.blocked or not self.running:
+        if self.waiting and (not self.blocked or not self.running):
             self._admit()
         wants = {}
         for job in list(self.running):
@@ -54,10 +54,10 @@ class _Run:
             except BaseException as exc:          # noqa: BLE001 - fails this job alone
                 self._end(job, exc)
         logits = self._forward(wants)
-        offset = 0
+        offset, alone = 0, len(self.running) == 1
         for job in list(self.running):
             mine = wants[job][0]
-            part = logits[offset: offset + len(mine)]
+            part = logits if alone else logits[offset: offset + len(mine)]
             offset += len(mine)
             try:
                 done = job.step(self.batch, part)

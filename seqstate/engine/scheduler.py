@@ -202,21 +202,23 @@ class Scheduler:
         try:
             self.model.backend.on_worker_start()
             run = _Run(self.model.backend)
-            while True:
-                with self._cv:
-                    if not self._pending and not run.jobs:
-                        if not self._stopping:
-                            self._cv.wait(IDLE_SECONDS)
-                        if not self._pending:
-                            self._worker = None   # a later call starts a new worker
-                            run.close()
-                            return
-                    run.waiting += self._take()
-                with self.model.lock, torch.inference_mode():
-                    try:
-                        run.step()
-                    except BaseException as exc:  # noqa: BLE001 - no one job's: every running one's
-                        run.reset(exc)
+            # the worker runs nothing but engine steps: inference mode once, not once a step
+            with torch.inference_mode():
+                while True:
+                    with self._cv:
+                        if not self._pending and not run.jobs:
+                            if not self._stopping:
+                                self._cv.wait(IDLE_SECONDS)
+                            if not self._pending:
+                                self._worker = None   # a later call starts a new worker
+                                run.close()
+                                return
+                        run.waiting += self._take()
+                    with self.model.lock:
+                        try:
+                            run.step()
+                        except BaseException as exc:  # noqa: BLE001 - every running job's
+                            run.reset(exc)
         except BaseException as exc:              # noqa: BLE001 - the worker itself broke
             with self._cv:
                 orphans, self._pending = self._pending, []

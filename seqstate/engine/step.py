@@ -20,7 +20,7 @@ from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.errors import LogitsError
 from seqstate.finish import FinishReason
 from seqstate.hooks import Replace, Rollback, SampleEvent, checked
-from seqstate.sampling.functions import greedy_peaks, greedy_tokens
+from seqstate.sampling.functions import greedy_peaks, greedy_tokens, picked_values
 from seqstate.sampling.params import Greedy, Sampler
 
 __all__ = ["Stepper", "StepEvent", "allowed_mask", "allowed_masks", "constrained",
@@ -237,7 +237,7 @@ class Stepper:
             chosen = sampled.tolist()
         # the model's own log-prob of each sampled token
         logprobs = pending()                                                            # (B, V)
-        picked = logprobs.gather(1, sampled.long()[:, None]).squeeze(1).tolist()       # (B,)
+        picked = picked_values(logprobs, sampled)                                       # (B,)
         # 3. hooks may replace, resample or roll back; 4. accept
         for j, i in enumerate(live):
             row = self.rows[i]

@@ -103,7 +103,10 @@ class HFBackend(StepBackend):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.hf_model.dtype
+        # the first parameter's, where it is a float (transformers' `dtype` walks the
+        # parameters for the first float one: ~10 us, several times a call)
+        dtype = getattr(self._anchor_owner, self._anchor_name).dtype
+        return dtype if dtype.is_floating_point else self.hf_model.dtype
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -127,10 +130,11 @@ class HFBackend(StepBackend):
         threads = team = 0
         if self._omp is not None:
             torch.get_num_threads()               # torch sizes this thread's team lazily: first
-            team = self._omp.omp_get_max_threads()
-            small = (rows * new <= SERIAL_TOKENS
-                     and rows * (cache.get_seq_length() + new) <= SERIAL_COLUMNS)
-            threads = 1 if small or team <= 1 else min(team, free_cpus())
+            threads = team = self._omp.omp_get_max_threads()
+            if team > 1:
+                small = (rows * new <= SERIAL_TOKENS
+                         and rows * (cache.get_seq_length() + new) <= SERIAL_COLUMNS)
+                threads = 1 if small else min(team, free_cpus())
             if threads < team:
                 self._omp.omp_set_num_threads(threads)  # this thread's team only, until restored
         try:

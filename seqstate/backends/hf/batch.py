@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from seqstate.backends.hf.buffer import KVBuffer
-from seqstate.backends.hf.cache import as_cache
+from seqstate.backends.hf.cache import Cache, as_cache
 from seqstate.backends.hf.prefill import Network, ensure_kv
 from seqstate.backends.hf.store import KVHandle
 
@@ -45,6 +45,7 @@ class HFBatch:
         self.frozen: list[int | None] = []   # per buffer row: its first col fed while frozen
         self.padded = False                  # False while no row needs a mask
         self._next_slot = 0
+        self._cache: tuple[torch.Tensor, Cache] | None = None  # the buffer's, on its memory
 
     # -- joining and leaving ------------------------------------------------------------------
     def add(self, rows: Sequence[Sequence[int]], grow_by: int) -> list[int]:
@@ -107,7 +108,7 @@ class HFBatch:
             self._compact()
 
     def close(self) -> None:
-        self.buf = None                       # the buffer is freed; stored KV stays
+        self.buf, self._cache = None, None    # the buffer is freed; stored KV stays
         self.mask = torch.zeros(0, 0, dtype=torch.long)
         self.row_of.clear()
         self.bases, self.cols, self.junk, self.first, self.frozen = [], [], [], [], []
@@ -182,7 +183,6 @@ class HFBatch:
         last column (``which="last"``), or (N, V) of the fed columns only, row by row
         (``"fed"``: the LM head, most of a small model's forward, skips the junk)."""
         buf, backend = self.buf, self.backend
-        backend.guard.check()                     # before this batch changes (and in forward)
         if buf.length + k > buf.capacity:
             self._grow(0, buf.length + k)
         col = buf.length
@@ -212,7 +212,11 @@ class HFBatch:
             for r in fed:
                 if self.frozen[r] is None:
                     self.frozen[r] = len(self.cols[r])
-        logits = backend.forward(ids, step_mask, pos, as_cache(buf),
+        if self._cache is None or self._cache[0] is not buf.data:
+            # a new Cache where the buffer's memory moved (grown, compacted): the old one's
+            # views would keep the old memory until the next forward
+            self._cache = (buf.data, as_cache(buf))
+        logits = backend.forward(ids, step_mask, pos, self._cache[1],
                                  logits=True if which == "last" else keep[0].bool())
         buf.length += k
         for r in range(buf.rows):
