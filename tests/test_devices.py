@@ -69,7 +69,6 @@ HOST: dict[tuple[str, str, str], str] = {
     ("seqstate/backends/hf/packed.py", "_place", "arange"): _HOST_INPUTS,
     ("seqstate/backends/hf/packed.py", "_place", "ones"): _HOST_INPUTS,
     ("seqstate/sampling/functions.py", "greedy_tokens", "from_numpy"): _ON_THE_LOGITS_HOST,
-    ("seqstate/sampling/functions.py", "greedy_peaks", "from_numpy"): _ON_THE_LOGITS_HOST,
     ("seqstate/scores.py", "Scores._table", "full"):
         "a table of Python floats for the user (the log-probs already came back as floats), "
         "on the host like state.weights",

@@ -212,8 +212,8 @@ class Stepper:
         # a finite peak means a finite logit: the whole check only where a row's peak is not
         # (a NaN anywhere in a row makes its peak NaN, and argmax picks a NaN); greedy finds
         # each row's best token with its peak, for the check and the choice at once
-        peaks, best = greedy_peaks(logits) if greedy else (logits.amax(dim=-1), None)  # (B,)
-        finite = all(map(math.isfinite, peaks.tolist()))
+        peaks, best = greedy_peaks(logits) if greedy else (logits.amax(dim=-1).tolist(), None)
+        finite = all(map(math.isfinite, peaks))
         if not finite and not torch.isfinite(logits).any(dim=-1).all():
             pending()                               # not left running on the helper thread
             raise LogitsError(f"a row's logits are all NaN/inf (dtype {logits.dtype}): most likely "
@@ -221,7 +221,7 @@ class Stepper:
                               "dtype=torch.float32 (or bfloat16 rather than float16), else check "
                               "its weights or the custom step that made these logits")
         if finite and greedy:
-            sampled, chosen, events = self._greedy(live, logits, best)
+            chosen, events = self._greedy(live, logits, best)
         else:
             # 1. constrain: disallowed tokens get -inf; a row with nothing allowed is a dead end
             allowed = allowed_masks([self.rows[i] for i in live], logits.shape[-1],
@@ -233,11 +233,10 @@ class Stepper:
                 masked = constrained(logits, allowed, finite, self._scratch(logits))    # (B, V)
             events = self._dead_ends(live, allowed, logits, masked)
             # 2. sample every row at once
-            sampled = self._choose(masked, live)                                        # (B,)
-            chosen = sampled.tolist()
+            chosen = self._choose(masked, live).tolist()                               # (B,)
         # the model's own log-prob of each sampled token
         logprobs = pending()                                                            # (B, V)
-        picked = picked_values(logprobs, sampled)                                       # (B,)
+        picked = picked_values(logprobs, chosen)                                        # (B,)
         # 3. hooks may replace, resample or roll back; 4. accept
         for j, i in enumerate(live):
             row = self.rows[i]
@@ -255,29 +254,26 @@ class Stepper:
             events.append(StepEvent(i, accepted, chunk, 0, row.finish_reason))
         return events
 
-    def _greedy(self, live: Sequence[int], logits: torch.Tensor, sampled: torch.Tensor
-                ) -> tuple[torch.Tensor, list[int], list[StepEvent]]:
-        """Greedy's tokens (B,) (and as a list) from each row's best token ``sampled`` (B,),
-        masking only the rows that need it: a row whose best token its cursor and bans allow
-        takes it (the masked argmax is the same token, ties too: no allowed token before it
-        holds the same value); the others are masked and take their best allowed token.
-        With a trained model most rows' best token is allowed, so most steps build no mask
-        at all (a JSON cursor checks one token, not the vocabulary)."""
-        best = sampled.tolist()
+    def _greedy(self, live: Sequence[int], logits: torch.Tensor, best: list[int]
+                ) -> tuple[list[int], list[StepEvent]]:
+        """Greedy's tokens from each row's best token ``best``, masking only the rows that
+        need it: a row whose best token its cursor and bans allow takes it (the masked argmax
+        is the same token, ties too: no allowed token before it holds the same value); the
+        others are masked and take their best allowed token.  With a trained model most
+        rows' best token is allowed, so most steps build no mask at all (a JSON cursor checks
+        one token, not the vocabulary)."""
         refused = [j for j, i in enumerate(live) if not self.rows[i].allows(best[j])]
         if not refused:
-            return sampled, best, []
+            return best, []
         rows = [live[j] for j in refused]
         allowed = allowed_masks([self.rows[i] for i in rows], logits.shape[-1], logits.device)
         where = torch.tensor(refused, device=logits.device)                            # (R,)
         some = logits.index_select(0, where)                                           # (R, V)
         masked = constrained(some, allowed, True, self._scratch(some))                 # (R, V)
         events = self._dead_ends(rows, allowed, some, masked)
-        chosen = greedy_tokens(masked)                                                  # (R,)
-        sampled[where] = chosen
-        for j, token in zip(refused, chosen.tolist()):
+        for j, token in zip(refused, greedy_tokens(masked).tolist()):
             best[j] = token
-        return sampled, best, events
+        return best, events
 
     def _dead_ends(self, live: Sequence[int], allowed: torch.Tensor | None,
                    logits: torch.Tensor, masked: torch.Tensor) -> list[StepEvent]:
