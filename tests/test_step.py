@@ -1,5 +1,6 @@
 """The step API reproduces the engine's output when fed the same logits."""
 
+import math
 import random
 
 import pytest
@@ -14,7 +15,7 @@ from seqstate.detokenize import StopMatcher
 from seqstate.engine import RowRequest, Stepper, generate
 from seqstate.engine.rows import LiveRow
 from seqstate.engine.step import allowed_mask, allowed_masks, constrained
-from seqstate.sampling.functions import greedy_peaks, greedy_tokens, picked_values
+from seqstate.sampling.functions import greedy_list, greedy_tokens, picked_values
 
 
 def drive(model, stepper):
@@ -48,6 +49,29 @@ def test_stepper_rejects_bad_logits(tiny):
         st.step(torch.full((1, tiny.vocab.size), float("nan")))
     with pytest.raises(ValueError, match="1 live rows"):
         st.step(torch.zeros(2, tiny.vocab.size))
+
+
+def test_greedy_step_with_infinities_matches_argmax_and_log_softmax(tiny):
+    """A greedy step reads each row's finiteness off its token's log-prob: rows holding -inf
+    take the fast path, a row holding +inf the checked one (its token the +inf one, its
+    log-prob NaN, as the log-softmax says), and a row with no finite logit is refused."""
+    v = tiny.vocab.size
+    logits = torch.randn(3, v, generator=torch.Generator().manual_seed(0))
+    logits[0, ::3] = float("-inf")
+    logits[1, 17] = float("inf")
+    rows = [LiveRow(RowRequest(tuple(tiny.encode("Hi")), 8), tiny.vocab, tiny.eos_token_ids)
+            for _ in range(3)]
+    Stepper(tiny, [], rows=rows).step(logits)
+    want = logits.argmax(-1).tolist()
+    logprobs = logits.log_softmax(-1)
+    assert [r.tokens[-1] for r in rows] == want and want[1] == 17
+    assert rows[0].logprobs == [logprobs[0, want[0]].item()]
+    assert rows[2].logprobs == [logprobs[2, want[2]].item()]
+    assert math.isnan(rows[1].logprobs[0])
+    for bad in (float("-inf"), float("nan")):
+        logits[2] = bad
+        with pytest.raises(ss.LogitsError, match="NaN/inf"):
+            Stepper(tiny, [], rows=[_twin(r) for r in rows]).step(logits)
 
 
 def _walk(cursor, rng: random.Random, steps: int) -> list:
@@ -117,8 +141,8 @@ _VALUES = st.sampled_from([0.0, 1.0, 2.5, -3.0, float("inf"), float("-inf"), flo
        st.lists(st.tuples(st.integers(0, 10**6), _VALUES), max_size=6), st.booleans())
 def test_greedy_tokens_is_argmax(rows, vocab, seed, spikes, ties):
     """The CPU's greedy (NumPy's argmax) picks torch's argmax index, first on ties, NaN as
-    argmax ranks it, in every float dtype and layout; `greedy_peaks` gives the logit there and
-    `picked_values` any index's."""
+    argmax ranks it, in every float dtype and layout (`greedy_list` too), and
+    `picked_values` gives the values at any index."""
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randint(0, 3, (rows, vocab), generator=g).float() if ties
               else torch.randn(rows, vocab, generator=g))
@@ -128,11 +152,7 @@ def test_greedy_tokens_is_argmax(rows, vocab, seed, spikes, ties):
         for x in (logits.to(dtype), logits[:, :-3].to(dtype), logits.to(dtype).T.contiguous().T):
             best = x.argmax(dim=-1)
             assert torch.equal(greedy_tokens(x), best)
-            peaks, found = greedy_peaks(x)
-            assert found == best.tolist()
-            want = x.gather(1, best[:, None]).squeeze(1).double()
-            torch.testing.assert_close(torch.tensor(peaks, dtype=torch.float64), want,
-                                       rtol=0, atol=0, equal_nan=True)
+            assert greedy_list(x) == best.tolist()
             other = torch.randint(0, x.shape[1], (rows,), generator=g)
             torch.testing.assert_close(
                 torch.tensor(picked_values(x, other.tolist()), dtype=torch.float64),

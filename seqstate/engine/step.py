@@ -20,7 +20,7 @@ from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.errors import LogitsError
 from seqstate.finish import FinishReason
 from seqstate.hooks import Replace, Rollback, SampleEvent, checked
-from seqstate.sampling.functions import greedy_peaks, greedy_tokens, picked_values
+from seqstate.sampling.functions import greedy_list, greedy_tokens, picked_values
 from seqstate.sampling.params import Greedy, Sampler
 
 __all__ = ["Stepper", "StepEvent", "allowed_mask", "allowed_masks", "constrained",
@@ -209,11 +209,17 @@ class Stepper:
         if logits.dtype != torch.float32:
             logits = logits.float()
         pending = self._log_softmax(logits)          # beside the rest of the step (B, V)
-        # a finite peak means a finite logit: the whole check only where a row's peak is not
-        # (a NaN anywhere in a row makes its peak NaN, and argmax picks a NaN); greedy finds
-        # each row's best token with its peak, for the check and the choice at once
-        peaks, best = greedy_peaks(logits) if greedy else (logits.amax(dim=-1).tolist(), None)
-        finite = all(map(math.isfinite, peaks))
+        if greedy:
+            # each row's best token and the model's log-prob of it: a finite log-prob means a
+            # finite row (a NaN or +inf in a row makes it NaN, and so do all -inf), so the
+            # whole check runs only where one is not.  After a forward every operation costs
+            # several times what it does in a loop (~5 us): few of them, on the host in lists
+            best = greedy_list(logits)                                                  # (B,)
+            logprobs = pending()                                                        # (B, V)
+            picked = picked_values(logprobs, best)                                      # (B,)
+            finite = all(map(math.isfinite, picked))
+        else:
+            finite = all(map(math.isfinite, logits.amax(dim=-1).tolist()))
         if not finite and not torch.isfinite(logits).any(dim=-1).all():
             pending()                               # not left running on the helper thread
             raise LogitsError(f"a row's logits are all NaN/inf (dtype {logits.dtype}): most likely "
@@ -232,12 +238,11 @@ class Stepper:
             else:
                 masked = constrained(logits, allowed, finite, self._scratch(logits))    # (B, V)
             events = self._dead_ends(live, allowed, logits, masked)
-            # 2. sample every row at once
-            chosen = self._choose(masked, live).tolist()                               # (B,)
-        # the model's own log-prob of each sampled token
-        logprobs = pending()                                                            # (B, V)
-        picked = picked_values(logprobs, chosen)                                        # (B,)
-        # 3. hooks may replace, resample or roll back; 4. accept
+            # 2. sample every row at once, 3. and the model's own log-prob of each token
+            best = chosen = self._choose(masked, live).tolist()                        # (B,)
+            logprobs = pending()                                                        # (B, V)
+            picked = picked_values(logprobs, chosen)                                    # (B,)
+        # 4. hooks may replace, resample or roll back; 5. accept
         for j, i in enumerate(live):
             row = self.rows[i]
             if row.done:
@@ -248,7 +253,7 @@ class Stepper:
                 events.append(StepEvent(i, None, "", rolled, row.finish_reason))
                 continue
             before = len(row.tokens)
-            logprob = picked[j] if token == chosen[j] else logprobs[j, token].item()
+            logprob = picked[j] if token == best[j] else logprobs[j, token].item()
             chunk = row.accept(token, logprob)
             accepted = token if len(row.tokens) > before else None   # EOS is not appended
             events.append(StepEvent(i, accepted, chunk, 0, row.finish_reason))
@@ -271,9 +276,10 @@ class Stepper:
         some = logits.index_select(0, where)                                           # (R, V)
         masked = constrained(some, allowed, True, self._scratch(some))                 # (R, V)
         events = self._dead_ends(rows, allowed, some, masked)
+        chosen = list(best)
         for j, token in zip(refused, greedy_tokens(masked).tolist()):
-            best[j] = token
-        return best, events
+            chosen[j] = token
+        return chosen, events
 
     def _dead_ends(self, live: Sequence[int], allowed: torch.Tensor | None,
                    logits: torch.Tensor, masked: torch.Tensor) -> list[StepEvent]:

@@ -10,7 +10,7 @@ import torch
 
 from seqstate.errors import LogitsError
 
-__all__ = ["greedy_tokens", "greedy_peaks", "picked_values", "race_sample", "check_logprobs",
+__all__ = ["greedy_tokens", "greedy_list", "picked_values", "race_sample", "check_logprobs",
            "filter_top_k", "filter_top_p", "filter_min_p", "repetition_penalty",
            "presence_frequency_penalty"]
 
@@ -36,21 +36,10 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1) if host is None else torch.from_numpy(host.argmax(axis=-1))
 
 
-def greedy_peaks(logits: torch.Tensor) -> tuple[list[float], list[int]]:
-    """Each row's peak logit and `greedy_tokens`' index of it, as Python lists (the step
-    reads them on the host anyway): a NaN row's peak is NaN.  After a forward every
-    operation costs several times what it does in a loop, so few of them: three NumPy
-    calls on the CPU, one transfer elsewhere."""
+def greedy_list(logits: torch.Tensor) -> list[int]:
+    """`greedy_tokens` as a Python list (on the CPU straight from NumPy's argmax)."""
     host = _host(logits)
-    if host is not None:
-        best = host.argmax(axis=-1)                                 # (B,)
-        return host[_rows(len(best)), best].tolist(), best.tolist()
-    best = logits.argmax(dim=-1)                                    # (B,)
-    peaks = logits.gather(1, best[:, None]).squeeze(1)              # (B,)
-    # one transfer for both: indices below 2**24 are exact in float32
-    both = torch.stack([peaks.float(), best.float()]).tolist() if logits.shape[-1] < 1 << 24 \
-        else [peaks.tolist(), best.tolist()]
-    return both[0], [int(t) for t in both[1]]
+    return (logits.argmax(dim=-1) if host is None else host.argmax(axis=-1)).tolist()
 
 
 def picked_values(values: torch.Tensor, index: Sequence[int]) -> list[float]:
