@@ -108,20 +108,25 @@ class HFBackend(StepBackend):
         dtype = getattr(self._anchor_owner, self._anchor_name).dtype
         return dtype if dtype.is_floating_point else self.hf_model.dtype
 
-    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor, cache: Any, *,
+                position_ids: torch.Tensor | None, cache: Any, *,
                 logits: bool | torch.Tensor = True
                 ) -> torch.Tensor | None:
         """Run ``input_ids`` (B, T) over ``cache``; last-position logits (B, V) in float32 or None.
 
         ``attention_mask`` (B, past + T) may be None when no row is padded; a 4-D float mask
         (B, 1, T, past + T) is used as it is (`seqstate.backends.hf.packed`).
-        ``logits=False`` skips the LM head (prefill); a ``(B, k)`` tensor of positions gives
-        those positions' (B, k, V), a ``(B, T)`` boolean tensor its True positions' (N, V), row
-        by row.
+        ``position_ids`` None: every row's positions are the cache's length on (the model's
+        own).  ``logits=False`` skips the LM head (prefill); a ``(B, k)`` tensor of positions
+        gives those positions' (B, k, V), a ``(B, T)`` boolean tensor its True positions'
+        (N, V), row by row.  Runs in inference mode (entered here where it is not already on:
+        each entry costs ~10 us after a forward).
         Refused (`seqstate.ActivationHookError`) on a hooked model outside ``frozen_store()``.
         """
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self.forward(input_ids, attention_mask, position_ids, cache,
+                                    logits=logits)
         self.guard.check()
         self.count(forward_calls=1)
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,

@@ -44,6 +44,7 @@ class HFBatch:
         self.first: list[int] = []           # per buffer row: its first KV column
         self.frozen: list[int | None] = []   # per buffer row: its first col fed while frozen
         self.padded = False                  # False while no row needs a mask
+        self._ones_from: int | None = None   # mask columns from here on: 1 in every row, unwritten
         self._next_slot = 0
         self._cache: tuple[torch.Tensor, Cache] | None = None  # the buffer's, on its memory
 
@@ -57,6 +58,7 @@ class HFBatch:
         """New buffer rows holding each handle's KV (soft handles kept as their bases)."""
         need = max(h.length for h in handles)
         b = self.backend
+        self._fill_mask()
         if self.buf is None:
             self.buf = KVBuffer(b.num_layers, b.kv_heads, b.head_dim, len(handles), need + grow_by,
                                 b.dtype, b.device)
@@ -89,6 +91,7 @@ class HFBatch:
 
     def fork(self, slot: int) -> int:
         row = self.row_of[slot]
+        self._fill_mask()
         self._grow(1, self.buf.capacity)
         new = len(self.bases)
         self.buf.data[:, :, new] = self.buf.data[:, :, row]
@@ -109,13 +112,14 @@ class HFBatch:
 
     def close(self) -> None:
         self.buf, self._cache = None, None    # the buffer is freed; stored KV stays
-        self.mask = torch.zeros(0, 0, dtype=torch.long)
+        self.mask, self._ones_from = torch.zeros(0, 0, dtype=torch.long), None
         self.row_of.clear()
         self.bases, self.cols, self.junk, self.first, self.frozen = [], [], [], [], []
 
     # -- the buffer's shape -------------------------------------------------------------------
     def _grow(self, rows: int, capacity: int) -> None:
         """Room for ``rows`` more buffer rows and ``capacity`` columns."""
+        self._fill_mask()
         self.buf.ensure(capacity)
         self.buf.add_rows(rows)
         shape = (self.buf.rows, self.buf.capacity)
@@ -125,6 +129,7 @@ class HFBatch:
 
     def _shift(self, delta: int) -> None:
         """Move every column right by ``delta`` (a newcomer's prefix is longer than the past)."""
+        self._fill_mask()
         self.buf.shift(delta)
         grown = self.mask.new_zeros(self.buf.rows, self.buf.capacity)
         grown[:, delta: delta + self.mask.shape[1]] = self.mask[:, : self.buf.capacity - delta]
@@ -135,6 +140,7 @@ class HFBatch:
 
     def _compact(self) -> None:
         """Drop released rows, and leading columns no live row uses (a copy, amortised)."""
+        self._fill_mask()
         keep = sorted(self.row_of.values())
         index = torch.tensor(keep, dtype=torch.long)
         self.buf.keep_rows(index)
@@ -188,25 +194,43 @@ class HFBatch:
         col = buf.length
         for r in fed:
             if self.junk[r]:                      # a row fed again forgets the steps it sat out
+                self._fill_mask()
                 self.mask[r, self.junk[r]] = 0
                 self.junk[r].clear()
                 self.padded = True
-        pad, device = backend.pad_token_id, backend.device
-        # each row's tokens, their positions and (for "fed") which of them give logits: one
-        # (2 or 3, B, k) tensor made from a flat array (~10x faster than from nested lists at
-        # 64 rows), one copy to the device
+        pad, device = backend.pad_token_id, buf.data.device
         rows = range(buf.rows)
+        starts = [self.bases[r].length + len(self.cols[r]) for r in rows]
+        # where every row's next position is its column (rows of one length, no holes), the
+        # model's own positions (the cache's length on) are these: none are fed
+        own = which == "last" and all(s == col for s in starts)
+        # each row's tokens, their positions and (for "fed") which of them give logits: one
+        # (1 to 3, B, k) tensor made from a flat array (~10x faster than from nested lists at
+        # 64 rows), one copy to the device
         flat = array("q")
         for r in rows:
             flat.extend((fed.get(r, []) + [pad] * k)[:k])
-        for r in rows:
-            start = self.bases[r].length + len(self.cols[r])
-            flat.extend(range(start, start + k))
+        if not own:
+            for start in starts:
+                flat.extend(range(start, start + k))
         if which == "fed":
             for n in (len(fed.get(r, ())) for r in rows):
                 flat.extend([1] * n + [0] * (k - n))
-        ids, pos, *keep = torch.frombuffer(flat, dtype=torch.int64).view(-1, buf.rows, k).to(device)
-        self.mask[:, col: col + k] = 1
+        inputs = torch.frombuffer(flat, dtype=torch.int64)
+        if device.type != "cpu":
+            inputs = inputs.to(device)
+        if own:
+            ids, pos, keep = inputs.view(buf.rows, k), None, []
+        else:
+            ids, pos, *keep = inputs.view(-1, buf.rows, k)
+        # every row's new columns are attended to; written only where a row needs a mask
+        # (after a forward each operation costs ~10 us), else from the first such column on
+        # when one first does
+        if self.padded:
+            self._fill_mask()
+            self.mask[:, col: col + k] = 1
+        elif self._ones_from is None:
+            self._ones_from = col
         step_mask = self.mask[:, : col + k].to(device) if self.padded else None
         if backend.store.frozen:              # before the forward: what it computes is scratch
             for r in fed:
@@ -226,9 +250,16 @@ class HFBatch:
         backend.count(decode_tokens=sum(map(len, fed.values())))
         return logits
 
+    def _fill_mask(self) -> None:
+        """Write the mask's unwritten columns (1 in every row) before it is read or changed."""
+        if self._ones_from is not None:
+            self.mask[:, self._ones_from: self.buf.length] = 1
+            self._ones_from = None
+
     def truncate(self, slot: int, length: int) -> None:
         row = self.row_of[slot]
         keep = length - self.bases[row].length
+        self._fill_mask()
         self.mask[row, self.cols[row][keep:]] = 0
         del self.cols[row][keep:]
         if self.frozen[row] is not None and self.frozen[row] >= keep:
