@@ -58,10 +58,7 @@ HOST: dict[tuple[str, str, str], str] = {
     ("seqstate/backends/hf/batch.py", "HFBatch._compact", "tensor"):
         "row indexes of the host mask; KVBuffer.keep_rows moves them to the buffer's device",
     ("seqstate/backends/hf/batch.py", "HFBatch._feed", "frombuffer"): _HOST_INPUTS,
-    ("seqstate/backends/hf/prefill.py", "run_tails", "full"): _HOST_INPUTS,
-    ("seqstate/backends/hf/prefill.py", "run_tails", "zeros"): _HOST_INPUTS,
-    ("seqstate/backends/hf/prefill.py", "run_tails", "tensor"): _HOST_INPUTS,
-    ("seqstate/backends/hf/prefill.py", "run_tails", "arange"): _HOST_INPUTS,
+    ("seqstate/backends/hf/prefill.py", "run_tails", "frombuffer"): _HOST_INPUTS,
     ("seqstate/backends/hf/packed.py", "_score_group", "full"): _HOST_INPUTS,
     ("seqstate/backends/hf/packed.py", "_score_group", "zeros"): _HOST_INPUTS,
     ("seqstate/backends/hf/packed.py", "_score_group", "arange"): _HOST_INPUTS,

@@ -83,15 +83,11 @@ class HFBackend(StepBackend):
         self.num_layers = cfg.num_hidden_layers
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.context_length = int(getattr(cfg, "max_position_embeddings", None) or 2048)
         self._decoder = hf_model.get_decoder()
         self._omp = openmp()
 
     # -- the network --------------------------------------------------------------------------
-    @property
-    def context_length(self) -> int:
-        cfg = self.hf_model.config.get_text_config(decoder=True)
-        return int(getattr(cfg, "max_position_embeddings", None) or 2048)
-
     @property
     def vocab_size(self) -> int:
         """Logits per position (the LM head's rows)."""

@@ -8,6 +8,7 @@ mask with holes and explicit position ids (exact; see DESIGN.md facts).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -58,21 +59,30 @@ def run_tails(backend: Network, rows: Sequence[tuple[Sequence[int], KVHandle]]
     width = max(len(t) for t in tails)
     buf = KVBuffer(backend.num_layers, backend.kv_heads, backend.head_dim, len(rows),
                    past + width, backend.dtype, backend.device)
-    ids = torch.full((len(rows), width), backend.pad_token_id, dtype=torch.long)     # (B, T)
-    pos = torch.zeros((len(rows), width), dtype=torch.long)                          # (B, T)
-    mask = torch.zeros((len(rows), past + width), dtype=torch.long)                  # (B, P+T)
-    for i, ((tokens, h), tail) in enumerate(zip(rows, tails)):
+    for i, (_, h) in enumerate(rows):
         buf.load(i, h, past)
-        mask[i, past - h.length: past] = 1
-        ids[i, width - len(tail):] = torch.tensor(tail)
-        pos[i, width - len(tail):] = torch.arange(h.length, h.length + len(tail))
-        mask[i, past + width - len(tail):] = 1
     buf.length = past
-    padded = not bool(mask.all())
+    # ids and positions from one flat array (a few operations, not several per row); rows of
+    # one length (no mask) take the model's own positions, the cache's length on
+    plain = all(h.length == past and len(t) == width for (_, h), t in zip(rows, tails))
+    flat = array("q")
+    for tail in tails:
+        flat.extend([backend.pad_token_id] * (width - len(tail)) + list(tail))
+    if not plain:
+        for (_, h), tail in zip(rows, tails):
+            flat.extend([0] * (width - len(tail)) + list(range(h.length, h.length + len(tail))))
     device = backend.device
+    inputs = torch.frombuffer(flat, dtype=torch.int64).view(-1, len(rows), width).to(device)
+    mask = None
+    if not plain:
+        cells = array("q")
+        for (_, h), tail in zip(rows, tails):
+            cells.extend([0] * (past - h.length) + [1] * h.length
+                         + [0] * (width - len(tail)) + [1] * len(tail))
+        mask = torch.frombuffer(cells, dtype=torch.int64).view(len(rows), past + width)
     scratch = store.frozen                # read before the forward: what it computes is scratch
-    backend.forward(ids.to(device), mask.to(device) if padded else None, pos.to(device),
-                    as_cache(buf), logits=False)
+    backend.forward(inputs[0], None if mask is None else mask.to(device),
+                    None if plain else inputs[1], as_cache(buf), logits=False)
     backend.count(prefill_tokens=sum(len(t) for t in tails))
     return [store.extend(tokens, h.length, buf.take(i, past + width - len(tail), past + width),
                          base=h, scratch=scratch)
