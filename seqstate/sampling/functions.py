@@ -20,7 +20,7 @@ _HOST_DTYPES = (torch.float32, torch.float16, torch.float64)     # the ones NumP
 
 def _host(values: torch.Tensor) -> np.ndarray | None:
     """``values`` as a NumPy array (no copy) where they are on the CPU in a dtype NumPy has."""
-    if values.device.type != "cpu" or values.dtype not in _HOST_DTYPES:
+    if not values.is_cpu or values.dtype not in _HOST_DTYPES:
         return None
     return (values.detach() if values.requires_grad else values).numpy()
 

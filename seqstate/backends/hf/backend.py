@@ -124,7 +124,7 @@ class HFBackend(StepBackend):
                 return self.forward(input_ids, attention_mask, position_ids, cache,
                                     logits=logits)
         self.guard.check()
-        self.count(forward_calls=1)
+        self.counters["forward_calls"] += 1
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids, past_key_values=cache, use_cache=True)
         rows, new = input_ids.shape

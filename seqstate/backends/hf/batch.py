@@ -247,7 +247,7 @@ class HFBatch:
             n = len(fed.get(r, ()))
             self.cols[r].extend(range(col, col + n))
             self.junk[r].extend(range(col + n, col + k))
-        backend.count(decode_tokens=sum(map(len, fed.values())))
+        backend.counters["decode_tokens"] += sum(map(len, fed.values()))
         return logits
 
     def _fill_mask(self) -> None:
