@@ -93,19 +93,17 @@ class DecodeJob(Job):
         live = self.stepper.live
         if isinstance(logits, torch.Tensor):         # no draft this step: a row per live row
             self.stepper.step(logits, live)
-            following, accepted = [], 0
         else:
             mine = dict(zip(live, logits))
             following, j, accepted = live, 0, 0
-        while following:
-            events = self.stepper.step(_rows([mine[i][j] for i in following]), following)
-            kept = {ev.row for ev in events if ev.token is not None and not ev.rolled_back
-                    and not self.rows[ev.row].done and j + 1 < len(self.feeds[ev.row])
-                    and ev.token == self.feeds[ev.row][j + 1]}
-            accepted += len(kept)
-            following, j = [i for i in following if i in kept], j + 1
-        drafted = sum(len(f) - 1 for f in self.feeds.values())
-        if drafted:
+            while following:
+                events = self.stepper.step(_rows([mine[i][j] for i in following]), following)
+                kept = {ev.row for ev in events if ev.token is not None and not ev.rolled_back
+                        and not self.rows[ev.row].done and j + 1 < len(self.feeds[ev.row])
+                        and ev.token == self.feeds[ev.row][j + 1]}
+                accepted += len(kept)
+                following, j = [i for i in following if i in kept], j + 1
+            drafted = sum(len(f) - 1 for f in self.feeds.values())
             self.model.count(draft_tokens_accepted=accepted,
                              draft_tokens_rejected=drafted - accepted)
         # the slot keeps the KV of the row's tokens but the last: drop rejected draft tokens

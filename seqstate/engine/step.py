@@ -178,17 +178,17 @@ class Stepper:
         return b[: like.shape[0]]
 
     def _log_softmax(self, logits: torch.Tensor):
-        """``() -> logits.log_softmax(-1)``: on a large CPU batch computed on a helper thread
-        from now on, beside the rest of the step (greedy's reductions, the masks, the
-        sampler), and waited for when called."""
-        if logits.device.type != "cpu" or logits.numel() < OVERLAP_ELEMENTS:
+        """``(get, beside)``: ``get()`` is ``logits.log_softmax(-1)``, computed now, or on a
+        large CPU batch (``beside`` True) on a helper thread from now on, beside the rest of
+        the step (greedy's reductions, the masks, the sampler), and waited for when called."""
+        if not logits.is_cpu or logits.numel() < OVERLAP_ELEMENTS:
             done = logits.log_softmax(dim=-1)
-            return lambda: done
+            return (lambda: done), False
         if self._helper is None:
             # one thread of its own, single-threaded torch: no OpenMP team to spin beside ours
             self._helper = ThreadPoolExecutor(1, "seqstate-step", initializer=single_threaded_torch)
             weakref.finalize(self, self._helper.shutdown, wait=False)
-        return self._helper.submit(torch.log_softmax, logits, -1).result
+        return self._helper.submit(torch.log_softmax, logits, -1).result, True
 
     def results(self, handles: Sequence | None = None) -> list[RowResult]:
         return [r.result(handles[i] if handles else None) for i, r in enumerate(self.rows)]
@@ -208,15 +208,17 @@ class Stepper:
         greedy = not self.hooks and isinstance(self.sampler, Greedy)
         if logits.dtype != torch.float32:
             logits = logits.float()
-        pending = self._log_softmax(logits)          # beside the rest of the step (B, V)
+        pending, beside = self._log_softmax(logits)  # beside the rest of the step (B, V)
         if greedy:
-            # each row's best token and the model's log-prob of it: a finite log-prob means a
-            # finite row (a NaN or +inf in a row makes it NaN, and so do all -inf), so the
-            # whole check runs only where one is not.  After a forward every operation costs
-            # several times what it does in a loop (~5 us): few of them, on the host in lists
+            # each row's best token, and the value there of its log-probs (the log-softmax
+            # done) or of its logits (still running beside, waited for after the masks): a
+            # finite value means a finite row (a NaN or +inf anywhere makes the log-prob NaN
+            # and the peak NaN or inf; all -inf too), so the whole check runs only where one
+            # is not.  After a forward every operation costs several times what it does in a
+            # loop (~5 us): few of them, on the host in lists
             best = greedy_list(logits)                                                  # (B,)
-            logprobs = pending()                                                        # (B, V)
-            picked = picked_values(logprobs, best)                                      # (B,)
+            logprobs = None if beside else pending()                                    # (B, V)
+            picked = picked_values(logits if beside else logprobs, best)                # (B,)
             finite = all(map(math.isfinite, picked))
         else:
             finite = all(map(math.isfinite, logits.amax(dim=-1).tolist()))
@@ -228,6 +230,9 @@ class Stepper:
                               "its weights or the custom step that made these logits")
         if finite and greedy:
             chosen, events = self._greedy(live, logits, best)
+            if beside or chosen is not best:        # peaks read, or masked rows took others
+                logprobs = pending()
+                best, picked = chosen, picked_values(logprobs, chosen)
         else:
             # 1. constrain: disallowed tokens get -inf; a row with nothing allowed is a dead end
             allowed = allowed_masks([self.rows[i] for i in live], logits.shape[-1],
@@ -266,7 +271,8 @@ class Stepper:
         is the same token, ties too: no allowed token before it holds the same value); the
         others are masked and take their best allowed token.  With a trained model most
         rows' best token is allowed, so most steps build no mask at all (a JSON cursor checks
-        one token, not the vocabulary)."""
+        one token, not the vocabulary).  ``best`` itself where every row takes its best token,
+        else a new list."""
         refused = [j for j, i in enumerate(live) if not self.rows[i].allows(best[j])]
         if not refused:
             return best, []
