@@ -232,7 +232,7 @@ class Stepper:
             chosen, events = self._greedy(live, logits, best)
             if beside or chosen is not best:        # peaks read, or masked rows took others
                 logprobs = pending()
-                best, picked = chosen, picked_values(logprobs, chosen)
+                picked = picked_values(logprobs, chosen)
         else:
             # 1. constrain: disallowed tokens get -inf; a row with nothing allowed is a dead end
             allowed = allowed_masks([self.rows[i] for i in live], logits.shape[-1],
@@ -244,7 +244,7 @@ class Stepper:
                 masked = constrained(logits, allowed, finite, self._scratch(logits))    # (B, V)
             events = self._dead_ends(live, allowed, logits, masked)
             # 2. sample every row at once, 3. and the model's own log-prob of each token
-            best = chosen = self._choose(masked, live).tolist()                        # (B,)
+            chosen = self._choose(masked, live).tolist()                               # (B,)
             logprobs = pending()                                                        # (B, V)
             picked = picked_values(logprobs, chosen)                                    # (B,)
         # 4. hooks may replace, resample or roll back; 5. accept
@@ -258,7 +258,7 @@ class Stepper:
                 events.append(StepEvent(i, None, "", rolled, row.finish_reason))
                 continue
             before = len(row.tokens)
-            logprob = picked[j] if token == best[j] else logprobs[j, token].item()
+            logprob = picked[j] if token == chosen[j] else logprobs[j, token].item()
             chunk = row.accept(token, logprob)
             accepted = token if len(row.tokens) > before else None   # EOS is not appended
             events.append(StepEvent(i, accepted, chunk, 0, row.finish_reason))
