@@ -88,6 +88,34 @@ def test_forks_are_independent_and_the_parent_is_unchanged(tiny):
     assert base.allowed().equal(before)                        # a refused token changes nothing
 
 
+def test_one_token_from_one_cursor_gives_one_cursor_while_it_lives(tiny):
+    c = compiled.json_schema(tiny, OBJECT)
+    start = c.start().advance(tiny.encode('{"')[0])
+    first, second = tiny.encode("name")[0], tiny.encode("n")[0]
+    a = start.advance(first)
+    assert start.advance(first) is a                   # its mask is computed once, not twice
+    b = start.advance(second)
+    assert b is not a and not b.allowed().equal(a.allowed())
+    mask = a.allowed().clone()
+    del a
+    again = start.advance(first)                       # after another token: a cursor anew
+    assert again.allowed().equal(mask) and start.advance(first) is again
+
+
+def test_rows_that_walk_one_path_share_its_cursors(tiny):
+    s = ss.json(tiny, OBJECT)(["Person:", "Someone else:", "X", "Y"], max_tokens=8)
+    made = [(r.tokens[r.last_span.start:], r.cursors[r.last_span.start:]) for r in s.rows]
+    shared = 0
+    for tokens_a, cursors_a in made:
+        for tokens_b, cursors_b in made:
+            for k, (ca, cb) in enumerate(zip(cursors_a, cursors_b)):
+                if ca is cb:                           # shared only where the paths agree
+                    assert tokens_a[: k + 1] == tokens_b[: k + 1]
+                    shared += 1
+    assert len({id(cursors[0]) for _, cursors in made}) == 1   # the forced '{' of every row
+    assert shared > len(made) ** 2
+
+
 def test_slicing_back_and_resuming_finishes_a_valid_value(tiny):
     bounded = {"type": "object", "required": ["name", "age"], "properties": {
         "name": {"type": "string", "maxLength": 8},

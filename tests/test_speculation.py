@@ -56,6 +56,22 @@ def test_greedy_output_and_logprobs_are_unchanged(engine, kind):
     verify_store(engine)
 
 
+def test_a_large_batch_drafts_as_it_decodes_one_token_at_a_time(tiny):
+    # 16 rows: the log-softmax runs beside the step on a helper thread into kept buffers,
+    # and each drafted position's rows are gathered into one (the rows' drafts differ in
+    # length once they reach the second key at different steps)
+    prompts = [f"Record {k}:" + " more" * (k % 3) for k in range(16)]
+    plain, fast, used = both(ss.json(tiny, Customer), prompts, max_tokens=40)
+    assert used.draft_tokens_accepted > 0
+    assert fast.token_ids == plain.token_ids
+    for want, got in zip(plain.logprobs, fast.logprobs):
+        for a, b in zip(want[0], got[0]):
+            assert (a is None) == (b is None)
+    assert_close([x for row in plain.logprobs for x in row[0] if x is not None],
+                 [x for row in fast.logprobs for x in row[0] if x is not None],
+                 tiny, "log-probs of 16 rows with and without drafts")
+
+
 def test_speculate_false_drafts_nothing(tiny):
     before = tiny.stats
     ss.json(tiny, Customer)("x", speculate=False, max_tokens=30)

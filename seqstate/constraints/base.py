@@ -39,6 +39,12 @@ class Cursor(ABC):
         engine asks each for its own (one step's rows).  Nothing by default: each computes
         its mask when asked."""
 
+    @classmethod
+    def prepare_allows(cls, cursors: list[Cursor]) -> None:
+        """Make ``allows`` cheap for several cursors of this class about to be asked it in one
+        step (a greedy step asks each row's cursor about its best token): where a cursor needs
+        its mask to answer, compute those masks together.  Nothing by default."""
+
     @abstractmethod
     def advance(self, token: int) -> Cursor | None:
         """The cursor after ``token`` (which must be allowed); None once nothing is constrained."""

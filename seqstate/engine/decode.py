@@ -10,7 +10,7 @@ import torch
 from seqstate.backends.base import CacheFullError
 from seqstate.engine.job import Job
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
-from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS, Stepper
+from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS, StepBuffers, Stepper
 from seqstate.sampling.params import Sampler
 
 __all__ = ["generate", "run", "commit", "DecodeJob", "FIRST_CAPACITY"]
@@ -97,7 +97,8 @@ class DecodeJob(Job):
             mine = dict(zip(live, logits))
             following, j, accepted = live, 0, 0
             while following:
-                events = self.stepper.step(_rows([mine[i][j] for i in following]), following)
+                events = self.stepper.step(_rows([mine[i][j] for i in following],
+                                                 self.stepper.buffers), following)
                 kept = {ev.row for ev in events if ev.token is not None and not ev.rolled_back
                         and not self.rows[ev.row].done and j + 1 < len(self.feeds[ev.row])
                         and ev.token == self.feeds[ev.row][j + 1]}
@@ -123,11 +124,13 @@ class DecodeJob(Job):
         return False
 
 
-def _rows(rows: list[torch.Tensor]) -> torch.Tensor:
+def _rows(rows: list[torch.Tensor], buffers: StepBuffers) -> torch.Tensor:
     """The rows (V,) of a draft step's logits at one position as one (B, V) tensor: a view
-    where they are already consecutive rows of one tensor (rows side by side that were fed one
-    token each, or a single row), else a stacked copy.  A step without drafts never comes
-    here: its jobs get the forward's (B, V) tensor as it is."""
+    where they are already consecutive rows of one tensor (rows side by side that were fed
+    one token each, or a single row), else a copy into ``buffers``' kept tensor (a new one
+    each position would cost its page faults; a strided view, the copy that the
+    log-softmax and NumPy's argmax make of it).  A step without drafts never comes here:
+    its jobs get the forward's (B, V) tensor as it is."""
     first = rows[0]
     step = first.shape[0] * first.element_size()
     base, storage = first.data_ptr(), first.untyped_storage().data_ptr()
@@ -135,7 +138,7 @@ def _rows(rows: list[torch.Tensor]) -> torch.Tensor:
                                     and r.untyped_storage().data_ptr() == storage
                                     for k, r in enumerate(rows)):
         return first.as_strided((len(rows), first.shape[0]), (first.shape[0], 1))
-    return torch.stack(rows)                                                        # (B, V)
+    return torch.stack(rows, out=buffers.tensor("stacked", first[None], len(rows)))  # (B, V)
 
 
 def run(model, requests: Sequence[RowRequest], sampler: Sampler,

@@ -44,6 +44,7 @@ from seqstate.engine.job import Job
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.engine.runner import unobserved
 from seqstate.engine.running import _Run
+from seqstate.engine.step import shared_buffers
 from seqstate.engine.waiting import BLOCKING, PAUSE, POLL_SECONDS, Caller
 from seqstate.hooks import DEFAULT_MAX_BACKTRACKS
 from seqstate.sampling.params import BeamSearch, Sampler
@@ -183,7 +184,9 @@ class Scheduler:
         run.waiting.append(job)
         try:
             while True:
-                with self.model.lock, torch.inference_mode():
+                # buffers of its own: a call nested in a hook runs inside a step whose buffers
+                # are in use
+                with self.model.lock, torch.inference_mode(), shared_buffers():
                     try:
                         run.step()
                     except BaseException as exc:  # noqa: BLE001 - the batch failed this job
@@ -202,8 +205,9 @@ class Scheduler:
         try:
             self.model.backend.on_worker_start()
             run = _Run(self.model.backend)
-            # the worker runs nothing but engine steps: inference mode once, not once a step
-            with torch.inference_mode():
+            # the worker runs nothing but engine steps: inference mode once, not once a step;
+            # its jobs' steps share the tensors they write while it lives
+            with torch.inference_mode(), shared_buffers():
                 while True:
                     with self._cv:
                         if not self._pending and not run.jobs:

@@ -7,10 +7,12 @@ detokenization.  It knows nothing about KV.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -23,8 +25,8 @@ from seqstate.hooks import Replace, Rollback, SampleEvent, checked
 from seqstate.sampling.functions import greedy_list, greedy_tokens, picked_values
 from seqstate.sampling.params import Greedy, Sampler
 
-__all__ = ["Stepper", "StepEvent", "allowed_mask", "allowed_masks", "constrained",
-           "DEFAULT_MAX_BACKTRACKS"]
+__all__ = ["Stepper", "StepEvent", "StepBuffers", "shared_buffers", "allowed_mask",
+           "allowed_masks", "constrained", "DEFAULT_MAX_BACKTRACKS"]
 
 DEFAULT_MAX_BACKTRACKS = 32
 # logits (rows x vocab) from which a CPU step computes the log-softmax on a helper thread while
@@ -74,11 +76,7 @@ def allowed_masks(rows: Sequence[LiveRow], vocab_size: int,
     constrained = [j for j, c in enumerate(cursors) if c is not None]
     if not constrained and not any(bans):
         return None
-    kinds: dict[type, list] = {}
-    for j in constrained:
-        kinds.setdefault(type(cursors[j]), []).append(cursors[j])
-    for kind, group in kinds.items():
-        kind.prepare(group)
+    _prepare(cursors, "prepare")
     parts = [cursors[j].allowed() for j in constrained]                        # (V_tok,) each
     if len(constrained) == len(rows) and all(p.shape[0] == vocab_size for p in parts):
         mask = torch.stack(parts).to(device, non_blocking=True)                    # (B, V)
@@ -91,6 +89,17 @@ def allowed_masks(rows: Sequence[LiveRow], vocab_size: int,
         if banned:
             mask[j, torch.tensor(sorted(banned), dtype=torch.long, device=device)] = False
     return mask
+
+
+def _prepare(cursors: Sequence, how: str) -> None:
+    """Call the classmethod ``how`` (`Cursor.prepare` or `Cursor.prepare_allows`) of each
+    kind of cursor among ``cursors`` (None for an unconstrained row) with its cursors."""
+    kinds: dict[type, list] = {}
+    for c in cursors:
+        if c is not None:
+            kinds.setdefault(type(c), []).append(c)
+    for kind, group in kinds.items():
+        getattr(kind, how)(group)
 
 
 def constrained(logits: torch.Tensor, allowed: torch.Tensor, finite: bool = False,
@@ -110,6 +119,70 @@ def constrained(logits: torch.Tensor, allowed: torch.Tensor, finite: bool = Fals
         return out.copy_(torch.where(allowed, logits, float("-inf")))
     bias = out.copy_(allowed.view(torch.uint8)).sub_(0.5).mul_(float("inf"))     # +-inf
     return torch.minimum(logits, bias, out=out)
+
+
+class StepBuffers:
+    """What steps keep from one to the next: large tensors they write (masked logits, a large
+    batch's log-probs, gathered rows) and the helper thread that computes a large batch's
+    log-softmax.  A new tensor of (64, 49152) floats each step costs the page faults of
+    mapping it (~3 ms on a VM, more than the step's own work) whenever the C allocator has
+    handed the memory back to the system, which glibc's moving thresholds make a matter of
+    the process's history."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._helper: ThreadPoolExecutor | None = None
+
+    def tensor(self, name: str, like: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """A tensor of ``like``'s dtype, device and shape (with ``rows`` rows if given), kept
+        under ``name`` and grown when asked for more rows than before.  Valid until the next
+        request for ``name``."""
+        n = like.shape[0] if rows is None else rows
+        b = self._tensors.get(name)
+        if (b is None or b.shape[0] < n or b.shape[1:] != like.shape[1:]
+                or b.dtype != like.dtype or b.device != like.device
+                or b.is_inference() and not torch.is_inference_mode_enabled()):
+            b = self._tensors[name] = torch.empty((max(n, 1), *like.shape[1:]),
+                                                  dtype=like.dtype, device=like.device)
+        return b[:n]
+
+    def helper(self) -> ThreadPoolExecutor:
+        """One thread of its own, single-threaded torch (no OpenMP team to spin beside ours)."""
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(1, "seqstate-step", initializer=single_threaded_torch)
+            weakref.finalize(self, self._helper.shutdown, wait=False)
+        return self._helper
+
+    def close(self) -> None:
+        """Drop the tensors and end the helper thread, if one was started."""
+        self._tensors.clear()
+        if self._helper is not None:
+            self._helper.shutdown(wait=False)
+            self._helper = None
+
+
+_shared = threading.local()
+
+
+@contextlib.contextmanager
+def shared_buffers() -> Iterator[StepBuffers]:
+    """Steppers stepping on this thread inside the block share one `StepBuffers` (an engine
+    worker's steps, one job's after another's), dropped at its end; elsewhere each stepper
+    keeps its own."""
+    before = getattr(_shared, "buffers", None)
+    _shared.buffers = buffers = StepBuffers()
+    try:
+        yield buffers
+    finally:
+        _shared.buffers = before
+        buffers.close()
+
+
+def _log_softmax_into(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``logits.log_softmax(-1)`` written to ``out`` (on a helper thread: in the inference
+    mode ``out`` was made in, which only that mode may write)."""
+    with torch.inference_mode(out.is_inference()):
+        return torch.log_softmax(logits, -1, out=out)
 
 
 class Stepper:
@@ -145,8 +218,7 @@ class Stepper:
         self.sampler, self.rng = sampler, rng
         self.hooks = tuple(hooks)
         self.max_backtracks = max_backtracks
-        self._helper: ThreadPoolExecutor | None = None
-        self._buffer: torch.Tensor | None = None
+        self._own = StepBuffers()
 
     @property
     def live(self) -> list[int]:
@@ -161,34 +233,27 @@ class Stepper:
         """Row ``i``'s tokens so far (the logits to feed are the next token's after these)."""
         return list(self.rows[i].tokens)
 
-    def close(self) -> None:
-        """End the helper thread, if one was started (a garbage-collected stepper ends it too)."""
-        if self._helper is not None:
-            self._helper.shutdown(wait=False)
-            self._helper = None
+    @property
+    def buffers(self) -> StepBuffers:
+        """The buffers this step writes into: the thread's `shared_buffers`, else its own."""
+        return getattr(_shared, "buffers", None) or self._own
 
-    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
-        """A (B, V) tensor like ``like`` for this step's masked logits, reused from step to
-        step and grown when a step has more rows than any before: a fresh one each step
-        costs the page faults of mapping it again."""
-        b = self._buffer
-        if (b is None or b.shape[0] < like.shape[0] or b.shape[1:] != like.shape[1:]
-                or b.dtype != like.dtype or b.device != like.device):
-            b = self._buffer = torch.empty_like(like)
-        return b[: like.shape[0]]
+    def close(self) -> None:
+        """Drop its own buffers and end its helper thread, if one was started (a
+        garbage-collected stepper ends it too)."""
+        self._own.close()
 
     def _log_softmax(self, logits: torch.Tensor):
         """``(get, beside)``: ``get()`` is ``logits.log_softmax(-1)``, computed now, or on a
-        large CPU batch (``beside`` True) on a helper thread from now on, beside the rest of
-        the step (greedy's reductions, the masks, the sampler), and waited for when called."""
+        large CPU batch (``beside`` True) on the helper thread from now on, into a kept
+        tensor, beside the rest of the step (greedy's reductions, the masks, the sampler),
+        and waited for when called."""
         if not logits.is_cpu or logits.numel() < OVERLAP_ELEMENTS:
             done = logits.log_softmax(dim=-1)
             return (lambda: done), False
-        if self._helper is None:
-            # one thread of its own, single-threaded torch: no OpenMP team to spin beside ours
-            self._helper = ThreadPoolExecutor(1, "seqstate-step", initializer=single_threaded_torch)
-            weakref.finalize(self, self._helper.shutdown, wait=False)
-        return self._helper.submit(torch.log_softmax, logits, -1).result, True
+        buffers = self.buffers
+        return buffers.helper().submit(_log_softmax_into, logits,
+                                       buffers.tensor("logprobs", logits)).result, True
 
     def results(self, handles: Sequence | None = None) -> list[RowResult]:
         return [r.result(handles[i] if handles else None) for i, r in enumerate(self.rows)]
@@ -241,7 +306,7 @@ class Stepper:
                 # hooks' resampling bans write into `masked`; with neither it is `logits`
                 masked = logits.clone() if self.hooks else logits
             else:
-                masked = constrained(logits, allowed, finite, self._scratch(logits))    # (B, V)
+                masked = constrained(logits, allowed, finite, self.buffers.tensor("masked", logits))    # (B, V)
             events = self._dead_ends(live, allowed, logits, masked)
             # 2. sample every row at once, 3. and the model's own log-prob of each token
             chosen = self._choose(masked, live).tolist()                               # (B,)
@@ -273,14 +338,17 @@ class Stepper:
         rows' best token is allowed, so most steps build no mask at all (a JSON cursor checks
         one token, not the vocabulary).  ``best`` itself where every row takes its best token,
         else a new list."""
+        _prepare([self.rows[i].cursor for i in live], "prepare_allows")
         refused = [j for j, i in enumerate(live) if not self.rows[i].allows(best[j])]
         if not refused:
             return best, []
         rows = [live[j] for j in refused]
         allowed = allowed_masks([self.rows[i] for i in rows], logits.shape[-1], logits.device)
+        buffers = self.buffers
         where = torch.tensor(refused, device=logits.device)                            # (R,)
-        some = logits.index_select(0, where)                                           # (R, V)
-        masked = constrained(some, allowed, True, self._scratch(some))                 # (R, V)
+        some = torch.index_select(logits, 0, where,
+                                  out=buffers.tensor("gathered", logits, len(refused)))  # (R, V)
+        masked = constrained(some, allowed, True, buffers.tensor("masked", some))      # (R, V)
         events = self._dead_ends(rows, allowed, some, masked)
         chosen = list(best)
         for j, token in zip(refused, greedy_tokens(masked).tolist()):
