@@ -1,5 +1,6 @@
 """The step API reproduces the engine's output when fed the same logits."""
 
+import contextlib
 import math
 import random
 
@@ -13,6 +14,7 @@ from seqstate.constraints.grammar import GrammarCursor
 from seqstate.constraints.healing import HealingCursor
 from seqstate.detokenize import StopMatcher
 from seqstate.engine import RowRequest, Stepper, generate
+from seqstate.engine import step as step_module
 from seqstate.engine.rows import LiveRow
 from seqstate.engine.step import allowed_mask, allowed_masks, constrained
 from seqstate.sampling.functions import greedy_list, greedy_tokens, picked_values
@@ -72,6 +74,29 @@ def test_greedy_step_with_infinities_matches_argmax_and_log_softmax(tiny):
         logits[2] = bad
         with pytest.raises(ss.LogitsError, match="NaN/inf"):
             Stepper(tiny, [], rows=[_twin(r) for r in rows]).step(logits)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("sampler", [ss.greedy(), ss.multinomial(temperature=1.0)])
+def test_a_large_batchs_log_probs_are_the_log_softmax(tiny, shared, sampler):
+    """Past OVERLAP_ELEMENTS the log-softmax runs in chunks of rows, from the front on the
+    helper thread and from the back on the step's, into kept buffers: every row's log-prob is
+    still its row's log-softmax, step after step (23 rows: the last chunk a partial one)."""
+    v = tiny.vocab.size
+    n = 23
+    assert n * v >= step_module.OVERLAP_ELEMENTS and n % (step_module.CHUNK_ELEMENTS // v)
+    rows = [LiveRow(RowRequest(tuple(tiny.encode("Hi")), 8), tiny.vocab, tiny.eos_token_ids)
+            for _ in range(n)]
+    stepper = Stepper(tiny, [], sampler, torch.Generator().manual_seed(1), rows=rows)
+    gen = torch.Generator().manual_seed(0)
+    with step_module.shared_buffers() if shared else contextlib.nullcontext():
+        for k in range(3):
+            logits = torch.randn(n, v, generator=gen) * 4
+            stepper.step(logits)
+            want = logits.log_softmax(-1)
+            assert [r.logprobs[k] for r in rows] == [want[j, r.tokens[-1]].item()
+                                                     for j, r in enumerate(rows)]
+    stepper.close()
 
 
 def _walk(cursor, rng: random.Random, steps: int) -> list:

@@ -33,6 +33,9 @@ DEFAULT_MAX_BACKTRACKS = 32
 # it finds the best tokens, masks and samples (torch releases the GIL): below it, handing over
 # costs more than it saves
 OVERLAP_ELEMENTS = 1 << 19
+# rows of such a log-softmax computed at once (as elements): the helper takes them from the
+# front, the step's own thread from the back once it has nothing else to do
+CHUNK_ELEMENTS = 1 << 19
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -178,11 +181,47 @@ def shared_buffers() -> Iterator[StepBuffers]:
         buffers.close()
 
 
-def _log_softmax_into(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``logits.log_softmax(-1)`` written to ``out`` (on a helper thread: in the inference
-    mode ``out`` was made in, which only that mode may write)."""
-    with torch.inference_mode(out.is_inference()):
-        return torch.log_softmax(logits, -1, out=out)
+class _TwoEnded:
+    """``logits.log_softmax(-1)`` into ``out`` in chunks of rows, computed from the front by
+    the helper thread (from `start` on) and from the back by the step's thread once it waits
+    for the result (`get`): the two threads meet where their work balances, whatever the
+    step did before waiting."""
+
+    def __init__(self, logits: torch.Tensor, out: torch.Tensor) -> None:
+        self.logits, self.out = logits, out
+        self.rows = max(1, CHUNK_ELEMENTS // max(1, logits.shape[-1]))
+        self.front, self.back = 0, -(-logits.shape[0] // self.rows)     # chunks not yet taken
+        self.lock = threading.Lock()
+        self.helper = None
+
+    def start(self, helper: ThreadPoolExecutor) -> _TwoEnded:
+        self.helper = helper.submit(self._from_front)
+        return self
+
+    def _take(self, front: bool) -> int | None:
+        with self.lock:
+            if self.front >= self.back:
+                return None
+            if front:
+                self.front += 1
+                return self.front - 1
+            self.back -= 1
+            return self.back
+
+    def _chunks(self, front: bool) -> None:
+        while (k := self._take(front)) is not None:
+            rows = slice(k * self.rows, (k + 1) * self.rows)
+            torch.log_softmax(self.logits[rows], -1, out=self.out[rows])
+
+    def _from_front(self) -> None:
+        # in the inference mode ``out`` was made in: only that mode may write it
+        with torch.inference_mode(self.out.is_inference()):
+            self._chunks(True)
+
+    def get(self) -> torch.Tensor:
+        self._chunks(False)
+        self.helper.result()
+        return self.out
 
 
 class Stepper:
@@ -245,15 +284,15 @@ class Stepper:
 
     def _log_softmax(self, logits: torch.Tensor):
         """``(get, beside)``: ``get()`` is ``logits.log_softmax(-1)``, computed now, or on a
-        large CPU batch (``beside`` True) on the helper thread from now on, into a kept
-        tensor, beside the rest of the step (greedy's reductions, the masks, the sampler),
-        and waited for when called."""
+        large CPU batch (``beside`` True) begun on the helper thread, beside the rest of the
+        step (greedy's reductions, the masks, the sampler), into a kept tensor, and finished
+        with this thread's help when called."""
         if not logits.is_cpu or logits.numel() < OVERLAP_ELEMENTS:
             done = logits.log_softmax(dim=-1)
             return (lambda: done), False
         buffers = self.buffers
-        return buffers.helper().submit(_log_softmax_into, logits,
-                                       buffers.tensor("logprobs", logits)).result, True
+        out = buffers.tensor("logprobs", logits)
+        return _TwoEnded(logits, out).start(buffers.helper()).get, True
 
     def results(self, handles: Sequence | None = None) -> list[RowResult]:
         return [r.result(handles[i] if handles else None) for i, r in enumerate(self.rows)]
