@@ -15,6 +15,11 @@ interleaved runs.  It moves far less than the ratios when the machine's speed ch
 minute to minute (a VM shared with others: the hand loop's forward alone moved 1.2-1.8 ms at
 one row between runs), so compare engines by it on a noisy machine.
 
+It pins glibc's malloc first (`harness.steady_allocator`): under glibc's moving thresholds a
+loop's large tensors fault their pages in again at every step or not, depending on what the
+process ran before (the hand loop alone took 1.45x as long in one process as in another),
+which swamped the ratios.
+
 ``python -m benchmarks overhead`` runs it on the tiny model and on SmolLM2 (this CPU);
 ``python -m benchmarks.overhead --device cuda`` runs it on a GPU, on the tiny model and on a
 random-weight ~0.9B Llama in bfloat16 (a forward that costs what a real one of that size
@@ -31,7 +36,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import seqstate as ss
-from benchmarks.harness import interleaved_runs
+from benchmarks.harness import interleaved_runs, steady_allocator
 
 NEW = 32
 ROWS = (1, 16, 64)
@@ -167,6 +172,7 @@ def measure(model, label: str, repeat: int) -> None:
 def main(model, repeat: int = 7) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    print(steady_allocator())
     try:
         measure(ss.models.testing.tiny(), "tiny() (a forward that costs almost nothing)", repeat)
         measure(model, f"{model.name}", max(3, repeat // 2))
@@ -194,6 +200,7 @@ def on_device(device: str, repeat: int = 5) -> None:
     name = torch.cuda.get_device_name(where) if where.type == "cuda" else device
     tiny = ss.models.testing.tiny()
     torch.set_num_threads(1)
+    print(steady_allocator())
     measure(ss.models.from_hf(tiny.hf_model.to(where), tiny.hf_tokenizer),
             f"tiny() on {name}", repeat)
     measure(random_llama(where), f"a random 0.9B Llama in bfloat16 on {name}", repeat)
