@@ -99,6 +99,45 @@ def test_a_large_batchs_log_probs_are_the_log_softmax(tiny, shared, sampler):
     stepper.close()
 
 
+class _Refusing(ss.constraints.base.Cursor):
+    """A cursor whose check of a token fails (a broken constraint), mid-step."""
+
+    def allowed(self):
+        raise AssertionError("not asked")
+
+    def allows(self, token):
+        raise RuntimeError("a broken cursor")
+
+    def advance(self, token):
+        return self
+
+    accepting = complete = False
+
+
+def test_a_step_that_fails_leaves_nothing_writing_into_kept_buffers(tiny, monkeypatch):
+    """A large batch's log-softmax runs on the helper into kept tensors: a step that fails
+    after it began takes no more chunks and waits for the helper's, so the next step (here
+    another stepper's, on the same shared buffers) gets its own log-softmax."""
+    v, n = tiny.vocab.size, 23
+    cancelled = []
+    cancel = step_module._TwoEnded.cancel
+    monkeypatch.setattr(step_module._TwoEnded, "cancel",
+                        lambda self: (cancelled.append(self), cancel(self)))
+    prompt = tuple(tiny.encode("Hi"))
+    gen = torch.Generator().manual_seed(0)
+    with step_module.shared_buffers():
+        broken = Stepper(tiny, [RowRequest(prompt, 8, _Refusing())] * n)
+        with pytest.raises(RuntimeError, match="a broken cursor"):
+            broken.step(torch.randn(n, v, generator=gen))
+        assert len(cancelled) == 1 and cancelled[0].helper.done()
+        rows = [LiveRow(RowRequest(prompt, 8), tiny.vocab, tiny.eos_token_ids) for _ in range(n)]
+        logits = torch.randn(n, v, generator=gen)
+        Stepper(tiny, [], rows=rows).step(logits)
+        want = logits.log_softmax(-1)
+        assert [r.logprobs[0] for r in rows] == [want[j, r.tokens[-1]].item()
+                                                 for j, r in enumerate(rows)]
+
+
 def _walk(cursor, rng: random.Random, steps: int) -> list:
     """``cursor`` and the cursors after each of up to ``steps`` random allowed tokens."""
     out = [cursor]

@@ -223,6 +223,26 @@ class _TwoEnded:
         self.helper.result()
         return self.out
 
+    def cancel(self) -> None:
+        """Take no more chunks and wait for the helper's: a step that fails leaves nothing
+        writing into the kept tensor that the next step fills."""
+        with self.lock:
+            self.back = self.front
+        self.helper.result()
+
+
+class _Computed:
+    """A log-softmax computed at once (a small batch, or off the CPU)."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def get(self) -> torch.Tensor:
+        return self.value
+
+    def cancel(self) -> None:
+        pass
+
 
 class Stepper:
     """Sampling, constraints, hooks and stop handling over logits computed by the caller.
@@ -282,17 +302,16 @@ class Stepper:
         garbage-collected stepper ends it too)."""
         self._own.close()
 
-    def _log_softmax(self, logits: torch.Tensor):
-        """``(get, beside)``: ``get()`` is ``logits.log_softmax(-1)``, computed now, or on a
-        large CPU batch (``beside`` True) begun on the helper thread, beside the rest of the
-        step (greedy's reductions, the masks, the sampler), into a kept tensor, and finished
-        with this thread's help when called."""
+    def _log_softmax(self, logits: torch.Tensor) -> tuple[_Computed | _TwoEnded, bool]:
+        """``(pending, beside)``: ``pending.get()`` is ``logits.log_softmax(-1)``, computed
+        now, or on a large CPU batch (``beside`` True) begun on the helper thread, beside the
+        rest of the step (greedy's reductions, the masks, the sampler), into a kept tensor,
+        and finished with this thread's help when asked."""
         if not logits.is_cpu or logits.numel() < OVERLAP_ELEMENTS:
-            done = logits.log_softmax(dim=-1)
-            return (lambda: done), False
+            return _Computed(logits.log_softmax(dim=-1)), False
         buffers = self.buffers
         out = buffers.tensor("logprobs", logits)
-        return _TwoEnded(logits, out).start(buffers.helper()).get, True
+        return _TwoEnded(logits, out).start(buffers.helper()), True
 
     def results(self, handles: Sequence | None = None) -> list[RowResult]:
         return [r.result(handles[i] if handles else None) for i, r in enumerate(self.rows)]
@@ -313,6 +332,14 @@ class Stepper:
         if logits.dtype != torch.float32:
             logits = logits.float()
         pending, beside = self._log_softmax(logits)  # beside the rest of the step (B, V)
+        try:
+            return self._choose_and_accept(live, logits, greedy, pending, beside)
+        except BaseException:
+            pending.cancel()                        # nothing left writing into kept tensors
+            raise
+
+    def _choose_and_accept(self, live: Sequence[int], logits: torch.Tensor, greedy: bool,
+                           pending: _Computed | _TwoEnded, beside: bool) -> list[StepEvent]:
         if greedy:
             # each row's best token, and the value there of its log-probs (the log-softmax
             # done) or of its logits (still running beside, waited for after the masks): a
@@ -321,13 +348,12 @@ class Stepper:
             # is not.  After a forward every operation costs several times what it does in a
             # loop (~5 us): few of them, on the host in lists
             best = greedy_list(logits)                                                  # (B,)
-            logprobs = None if beside else pending()                                    # (B, V)
+            logprobs = None if beside else pending.get()                                # (B, V)
             picked = picked_values(logits if beside else logprobs, best)                # (B,)
             finite = all(map(math.isfinite, picked))
         else:
             finite = all(map(math.isfinite, logits.amax(dim=-1).tolist()))
         if not finite and not torch.isfinite(logits).any(dim=-1).all():
-            pending()                               # not left running on the helper thread
             raise LogitsError(f"a row's logits are all NaN/inf (dtype {logits.dtype}): most likely "
                               "the model's forward overflowed in float16/bfloat16; load it with "
                               "dtype=torch.float32 (or bfloat16 rather than float16), else check "
@@ -335,7 +361,7 @@ class Stepper:
         if finite and greedy:
             chosen, events = self._greedy(live, logits, best)
             if beside or chosen is not best:        # peaks read, or masked rows took others
-                logprobs = pending()
+                logprobs = pending.get()
                 picked = picked_values(logprobs, chosen)
         else:
             # 1. constrain: disallowed tokens get -inf; a row with nothing allowed is a dead end
@@ -345,11 +371,12 @@ class Stepper:
                 # hooks' resampling bans write into `masked`; with neither it is `logits`
                 masked = logits.clone() if self.hooks else logits
             else:
-                masked = constrained(logits, allowed, finite, self.buffers.tensor("masked", logits))    # (B, V)
+                masked = constrained(logits, allowed, finite,
+                                     self.buffers.tensor("masked", logits))            # (B, V)
             events = self._dead_ends(live, allowed, logits, masked)
             # 2. sample every row at once, 3. and the model's own log-prob of each token
             chosen = self._choose(masked, live).tolist()                               # (B,)
-            logprobs = pending()                                                        # (B, V)
+            logprobs = pending.get()                                                    # (B, V)
             picked = picked_values(logprobs, chosen)                                    # (B,)
         # 4. hooks may replace, resample or roll back; 5. accept
         for j, i in enumerate(live):
