@@ -3,6 +3,7 @@
 import collections
 
 import pytest
+import torch
 from conftest import assert_close, needs, verify_store
 from pydantic import BaseModel
 
@@ -70,6 +71,20 @@ def test_a_large_batch_drafts_as_it_decodes_one_token_at_a_time(tiny):
     assert_close([x for row in plain.logprobs for x in row[0] if x is not None],
                  [x for row in fast.logprobs for x in row[0] if x is not None],
                  tiny, "log-probs of 16 rows with and without drafts")
+
+
+def test_logits_a_hook_keeps_from_a_draft_stay_as_they_were(tiny):
+    # three rows drafting the schema's first key: each drafted position's rows are gathered
+    # into one tensor, which a hook's event hands out, so it is a new one each position
+    kept = []
+
+    def keep(event):
+        kept.append((event.logits, event.logits.clone()))
+
+    plain, fast, used = both(ss.json(tiny, Customer), ["A:", "Record two:", "C"],
+                             max_tokens=12, hooks=[keep])
+    assert used.draft_tokens_accepted > 0 and fast.token_ids == plain.token_ids
+    assert kept and all(torch.equal(a, b) for a, b in kept)
 
 
 def test_speculate_false_drafts_nothing(tiny):

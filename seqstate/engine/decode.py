@@ -97,8 +97,10 @@ class DecodeJob(Job):
             mine = dict(zip(live, logits))
             following, j, accepted = live, 0, 0
             while following:
-                events = self.stepper.step(_rows([mine[i][j] for i in following],
-                                                 self.stepper.buffers), following)
+                # hooks' events carry the logits (a hook may keep them): not a kept tensor
+                into = None if self.stepper.hooks else self.stepper.buffers
+                events = self.stepper.step(_rows([mine[i][j] for i in following], into),
+                                           following)
                 kept = {ev.row for ev in events if ev.token is not None and not ev.rolled_back
                         and not self.rows[ev.row].done and j + 1 < len(self.feeds[ev.row])
                         and ev.token == self.feeds[ev.row][j + 1]}
@@ -124,13 +126,13 @@ class DecodeJob(Job):
         return False
 
 
-def _rows(rows: list[torch.Tensor], buffers: StepBuffers) -> torch.Tensor:
+def _rows(rows: list[torch.Tensor], buffers: StepBuffers | None) -> torch.Tensor:
     """The rows (V,) of a draft step's logits at one position as one (B, V) tensor: a view
     where they are already consecutive rows of one tensor (rows side by side that were fed
     one token each, or a single row), else a copy into ``buffers``' kept tensor (a new one
     each position would cost its page faults; a strided view, the copy that the
-    log-softmax and NumPy's argmax make of it).  A step without drafts never comes here:
-    its jobs get the forward's (B, V) tensor as it is."""
+    log-softmax and NumPy's argmax make of it), or a new one where ``buffers`` is None.  A
+    step without drafts never comes here: its jobs get the forward's (B, V) tensor as it is."""
     first = rows[0]
     step = first.shape[0] * first.element_size()
     base, storage = first.data_ptr(), first.untyped_storage().data_ptr()
@@ -138,6 +140,8 @@ def _rows(rows: list[torch.Tensor], buffers: StepBuffers) -> torch.Tensor:
                                     and r.untyped_storage().data_ptr() == storage
                                     for k, r in enumerate(rows)):
         return first.as_strided((len(rows), first.shape[0]), (first.shape[0], 1))
+    if buffers is None:
+        return torch.stack(rows)                                                    # (B, V)
     return torch.stack(rows, out=buffers.tensor("stacked", first[None], len(rows)))  # (B, V)
 
 
