@@ -14,7 +14,7 @@ from seqstate.constraints.grammar import GrammarCursor
 from seqstate.constraints.healing import HealingCursor
 from seqstate.detokenize import StopMatcher
 from seqstate.engine import RowRequest, Stepper, generate
-from seqstate.engine import step as step_module
+from seqstate.engine import buffers as step_buffers
 from seqstate.engine.rows import LiveRow
 from seqstate.engine.step import allowed_mask, allowed_masks, constrained
 from seqstate.sampling.functions import greedy_list, greedy_tokens, picked_values
@@ -84,12 +84,12 @@ def test_a_large_batchs_log_probs_are_the_log_softmax(tiny, shared, sampler):
     still its row's log-softmax, step after step (23 rows: the last chunk a partial one)."""
     v = tiny.vocab.size
     n = 23
-    assert n * v >= step_module.OVERLAP_ELEMENTS and n % (step_module.CHUNK_ELEMENTS // v)
+    assert n * v >= step_buffers.OVERLAP_ELEMENTS and n % (step_buffers.CHUNK_ELEMENTS // v)
     rows = [LiveRow(RowRequest(tuple(tiny.encode("Hi")), 8), tiny.vocab, tiny.eos_token_ids)
             for _ in range(n)]
     stepper = Stepper(tiny, [], sampler, torch.Generator().manual_seed(1), rows=rows)
     gen = torch.Generator().manual_seed(0)
-    with step_module.shared_buffers() if shared else contextlib.nullcontext():
+    with step_buffers.shared_buffers() if shared else contextlib.nullcontext():
         for k in range(3):
             logits = torch.randn(n, v, generator=gen) * 4
             stepper.step(logits)
@@ -120,12 +120,12 @@ def test_a_step_that_fails_leaves_nothing_writing_into_kept_buffers(tiny, monkey
     another stepper's, on the same shared buffers) gets its own log-softmax."""
     v, n = tiny.vocab.size, 23
     cancelled = []
-    cancel = step_module._TwoEnded.cancel
-    monkeypatch.setattr(step_module._TwoEnded, "cancel",
+    cancel = step_buffers.TwoEnded.cancel
+    monkeypatch.setattr(step_buffers.TwoEnded, "cancel",
                         lambda self: (cancelled.append(self), cancel(self)))
     prompt = tuple(tiny.encode("Hi"))
     gen = torch.Generator().manual_seed(0)
-    with step_module.shared_buffers():
+    with step_buffers.shared_buffers():
         broken = Stepper(tiny, [RowRequest(prompt, 8, _Refusing())] * n)
         with pytest.raises(RuntimeError, match="a broken cursor"):
             broken.step(torch.randn(n, v, generator=gen))

@@ -10,7 +10,8 @@ import torch
 from seqstate.backends.base import CacheFullError
 from seqstate.engine.job import Job
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
-from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS, StepBuffers, Stepper
+from seqstate.engine.buffers import StepBuffers
+from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS, Stepper
 from seqstate.sampling.params import Sampler
 
 __all__ = ["generate", "run", "commit", "DecodeJob", "FIRST_CAPACITY"]

@@ -39,12 +39,12 @@ import torch
 from seqstate.backends.base import Handle, Scored
 from seqstate.engine import scoring
 from seqstate.engine.beam import BeamJob
+from seqstate.engine.buffers import shared_buffers
 from seqstate.engine.decode import DecodeJob
 from seqstate.engine.job import Job
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.engine.runner import unobserved
 from seqstate.engine.running import _Run
-from seqstate.engine.step import shared_buffers
 from seqstate.engine.waiting import BLOCKING, PAUSE, POLL_SECONDS, Caller
 from seqstate.hooks import DEFAULT_MAX_BACKTRACKS
 from seqstate.sampling.params import BeamSearch, Sampler

@@ -7,17 +7,13 @@ detokenization.  It knows nothing about KV.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import threading
-import weakref
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 
 import torch
 
-from seqstate.backends.base import single_threaded_torch
+from seqstate.engine.buffers import OVERLAP_ELEMENTS, Computed, StepBuffers, TwoEnded, shared
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.errors import LogitsError
 from seqstate.finish import FinishReason
@@ -25,17 +21,10 @@ from seqstate.hooks import Replace, Rollback, SampleEvent, checked
 from seqstate.sampling.functions import greedy_list, greedy_tokens, picked_values
 from seqstate.sampling.params import Greedy, Sampler
 
-__all__ = ["Stepper", "StepEvent", "StepBuffers", "shared_buffers", "allowed_mask",
-           "allowed_masks", "constrained", "DEFAULT_MAX_BACKTRACKS"]
+__all__ = ["Stepper", "StepEvent", "allowed_mask", "allowed_masks", "constrained",
+           "DEFAULT_MAX_BACKTRACKS"]
 
 DEFAULT_MAX_BACKTRACKS = 32
-# logits (rows x vocab) from which a CPU step computes the log-softmax on a helper thread while
-# it finds the best tokens, masks and samples (torch releases the GIL): below it, handing over
-# costs more than it saves
-OVERLAP_ELEMENTS = 1 << 19
-# rows of such a log-softmax computed at once (as elements): the helper takes them from the
-# front, the step's own thread from the back once it has nothing else to do
-CHUNK_ELEMENTS = 1 << 19
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,7 +68,8 @@ def allowed_masks(rows: Sequence[LiveRow], vocab_size: int,
     constrained = [j for j, c in enumerate(cursors) if c is not None]
     if not constrained and not any(bans):
         return None
-    _prepare(cursors, "prepare")
+    for kind, group in _kinds(cursors).items():
+        kind.prepare(group)
     parts = [cursors[j].allowed() for j in constrained]                        # (V_tok,) each
     if len(constrained) == len(rows) and all(p.shape[0] == vocab_size for p in parts):
         mask = torch.stack(parts).to(device, non_blocking=True)                    # (B, V)
@@ -94,15 +84,13 @@ def allowed_masks(rows: Sequence[LiveRow], vocab_size: int,
     return mask
 
 
-def _prepare(cursors: Sequence, how: str) -> None:
-    """Call the classmethod ``how`` (`Cursor.prepare` or `Cursor.prepare_allows`) of each
-    kind of cursor among ``cursors`` (None for an unconstrained row) with its cursors."""
+def _kinds(cursors: Sequence) -> dict[type, list]:
+    """``cursors`` (None for an unconstrained row) grouped by their class."""
     kinds: dict[type, list] = {}
     for c in cursors:
         if c is not None:
             kinds.setdefault(type(c), []).append(c)
-    for kind, group in kinds.items():
-        getattr(kind, how)(group)
+    return kinds
 
 
 def constrained(logits: torch.Tensor, allowed: torch.Tensor, finite: bool = False,
@@ -122,126 +110,6 @@ def constrained(logits: torch.Tensor, allowed: torch.Tensor, finite: bool = Fals
         return out.copy_(torch.where(allowed, logits, float("-inf")))
     bias = out.copy_(allowed.view(torch.uint8)).sub_(0.5).mul_(float("inf"))     # +-inf
     return torch.minimum(logits, bias, out=out)
-
-
-class StepBuffers:
-    """What steps keep from one to the next: large tensors they write (masked logits, a large
-    batch's log-probs, gathered rows) and the helper thread that computes a large batch's
-    log-softmax.  A new tensor of (64, 49152) floats each step costs the page faults of
-    mapping it (~3 ms on a VM, more than the step's own work) whenever the C allocator has
-    handed the memory back to the system, which glibc's moving thresholds make a matter of
-    the process's history."""
-
-    def __init__(self) -> None:
-        self._tensors: dict[str, torch.Tensor] = {}
-        self._helper: ThreadPoolExecutor | None = None
-
-    def tensor(self, name: str, like: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-        """A tensor of ``like``'s dtype, device and shape (with ``rows`` rows if given), kept
-        under ``name`` and grown when asked for more rows than before.  Valid until the next
-        request for ``name``."""
-        n = like.shape[0] if rows is None else rows
-        b = self._tensors.get(name)
-        if (b is None or b.shape[0] < n or b.shape[1:] != like.shape[1:]
-                or b.dtype != like.dtype or b.device != like.device
-                or b.is_inference() and not torch.is_inference_mode_enabled()):
-            b = self._tensors[name] = torch.empty((max(n, 1), *like.shape[1:]),
-                                                  dtype=like.dtype, device=like.device)
-        return b[:n]
-
-    def helper(self) -> ThreadPoolExecutor:
-        """One thread of its own, single-threaded torch (no OpenMP team to spin beside ours)."""
-        if self._helper is None:
-            self._helper = ThreadPoolExecutor(1, "seqstate-step", initializer=single_threaded_torch)
-            weakref.finalize(self, self._helper.shutdown, wait=False)
-        return self._helper
-
-    def close(self) -> None:
-        """Drop the tensors and end the helper thread, if one was started."""
-        self._tensors.clear()
-        if self._helper is not None:
-            self._helper.shutdown(wait=False)
-            self._helper = None
-
-
-_shared = threading.local()
-
-
-@contextlib.contextmanager
-def shared_buffers() -> Iterator[StepBuffers]:
-    """Steppers stepping on this thread inside the block share one `StepBuffers` (an engine
-    worker's steps, one job's after another's), dropped at its end; elsewhere each stepper
-    keeps its own."""
-    before = getattr(_shared, "buffers", None)
-    _shared.buffers = buffers = StepBuffers()
-    try:
-        yield buffers
-    finally:
-        _shared.buffers = before
-        buffers.close()
-
-
-class _TwoEnded:
-    """``logits.log_softmax(-1)`` into ``out`` in chunks of rows, computed from the front by
-    the helper thread (from `start` on) and from the back by the step's thread once it waits
-    for the result (`get`): the two threads meet where their work balances, whatever the
-    step did before waiting."""
-
-    def __init__(self, logits: torch.Tensor, out: torch.Tensor) -> None:
-        self.logits, self.out = logits, out
-        self.rows = max(1, CHUNK_ELEMENTS // max(1, logits.shape[-1]))
-        self.front, self.back = 0, -(-logits.shape[0] // self.rows)     # chunks not yet taken
-        self.lock = threading.Lock()
-        self.helper = None
-
-    def start(self, helper: ThreadPoolExecutor) -> _TwoEnded:
-        self.helper = helper.submit(self._from_front)
-        return self
-
-    def _take(self, front: bool) -> int | None:
-        with self.lock:
-            if self.front >= self.back:
-                return None
-            if front:
-                self.front += 1
-                return self.front - 1
-            self.back -= 1
-            return self.back
-
-    def _chunks(self, front: bool) -> None:
-        while (k := self._take(front)) is not None:
-            rows = slice(k * self.rows, (k + 1) * self.rows)
-            torch.log_softmax(self.logits[rows], -1, out=self.out[rows])
-
-    def _from_front(self) -> None:
-        # in the inference mode ``out`` was made in: only that mode may write it
-        with torch.inference_mode(self.out.is_inference()):
-            self._chunks(True)
-
-    def get(self) -> torch.Tensor:
-        self._chunks(False)
-        self.helper.result()
-        return self.out
-
-    def cancel(self) -> None:
-        """Take no more chunks and wait for the helper's: a step that fails leaves nothing
-        writing into the kept tensor that the next step fills."""
-        with self.lock:
-            self.back = self.front
-        self.helper.result()
-
-
-class _Computed:
-    """A log-softmax computed at once (a small batch, or off the CPU)."""
-
-    def __init__(self, value: torch.Tensor) -> None:
-        self.value = value
-
-    def get(self) -> torch.Tensor:
-        return self.value
-
-    def cancel(self) -> None:
-        pass
 
 
 class Stepper:
@@ -295,23 +163,23 @@ class Stepper:
     @property
     def buffers(self) -> StepBuffers:
         """The buffers this step writes into: the thread's `shared_buffers`, else its own."""
-        return getattr(_shared, "buffers", None) or self._own
+        return shared.buffers or self._own
 
     def close(self) -> None:
         """Drop its own buffers and end its helper thread, if one was started (a
         garbage-collected stepper ends it too)."""
         self._own.close()
 
-    def _log_softmax(self, logits: torch.Tensor) -> tuple[_Computed | _TwoEnded, bool]:
+    def _log_softmax(self, logits: torch.Tensor) -> tuple[Computed | TwoEnded, bool]:
         """``(pending, beside)``: ``pending.get()`` is ``logits.log_softmax(-1)``, computed
         now, or on a large CPU batch (``beside`` True) begun on the helper thread, beside the
         rest of the step (greedy's reductions, the masks, the sampler), into a kept tensor,
         and finished with this thread's help when asked."""
         if not logits.is_cpu or logits.numel() < OVERLAP_ELEMENTS:
-            return _Computed(logits.log_softmax(dim=-1)), False
+            return Computed(logits.log_softmax(dim=-1)), False
         buffers = self.buffers
         out = buffers.tensor("logprobs", logits)
-        return _TwoEnded(logits, out).start(buffers.helper()), True
+        return TwoEnded(logits, out).start(buffers.helper()), True
 
     def results(self, handles: Sequence | None = None) -> list[RowResult]:
         return [r.result(handles[i] if handles else None) for i, r in enumerate(self.rows)]
@@ -339,7 +207,7 @@ class Stepper:
             raise
 
     def _choose_and_accept(self, live: Sequence[int], logits: torch.Tensor, greedy: bool,
-                           pending: _Computed | _TwoEnded, beside: bool) -> list[StepEvent]:
+                           pending: Computed | TwoEnded, beside: bool) -> list[StepEvent]:
         if greedy:
             # each row's best token, and the value there of its log-probs (the log-softmax
             # done) or of its logits (still running beside, waited for after the masks): a
@@ -404,7 +272,8 @@ class Stepper:
         rows' best token is allowed, so most steps build no mask at all (a JSON cursor checks
         one token, not the vocabulary).  ``best`` itself where every row takes its best token,
         else a new list."""
-        _prepare([self.rows[i].cursor for i in live], "prepare_allows")
+        for kind, group in _kinds([self.rows[i].cursor for i in live]).items():
+            kind.prepare_allows(group)
         refused = [j for j, i in enumerate(live) if not self.rows[i].allows(best[j])]
         if not refused:
             return best, []
