@@ -153,18 +153,20 @@ def measure(model, label: str, repeat: int) -> None:
         with ForwardClock(model.hf_model) as clock:
             runs = interleaved_runs([clocked(f, o) for f, o in zip(fns, forwards)], repeat)
         # the best run of each (what the machine allows; its speed moves between runs), and
-        # below it the medians' ratios
-        best, median = [min(t) for t in runs], [statistics.median(t) for t in runs]
-        hand = best[0] / NEW
-        cells = [f"{t / NEW * 1e3:7.2f} ms ({t / best[0]:4.2f}x)" for t in best[1:]]
-        print(f"  {b:>4} {hand * 1e3:7.2f} ms " + " ".join(f"{c:>18}" for c in cells) + "   "
+        # below it the medians' ratios; per step = per token of the row that ran longest (a
+        # batch whose rows all stop early, as bfloat16 ties can make them, ran fewer steps)
+        steps = [NEW] + [max(c) for c in counts.values()]
+        best = [min(t) / n for t, n in zip(runs, steps)]
+        median = [statistics.median(t) / n for t, n in zip(runs, steps)]
+        cells = [f"{t * 1e3:7.2f} ms ({t / best[0]:4.2f}x)" for t in best[1:]]
+        print(f"  {b:>4} {best[0] * 1e3:7.2f} ms " + " ".join(f"{c:>18}" for c in cells) + "   "
               + ", ".join(f"{n} {min(c)}-{max(c)}" for n, c in counts.items()))
-        print(f"  {'':>4} medians: hand loop {median[0] / NEW * 1e3:.2f} ms, "
+        print(f"  {'':>4} medians: hand loop {median[0] * 1e3:.2f} ms, "
               + ", ".join(f"{n} {t / median[0]:.2f}x" for n, t in zip(gens, median[1:])))
         if model.backend.device.type == "cpu":       # a GPU's forward returns before it ends
             # the warmup's forwards are in each list first
-            own = [statistics.median(w - f for w, f in zip(t, fw[-len(t):])) / NEW * 1e6
-                   for t, fw in zip(runs, forwards)]
+            own = [statistics.median(w - f for w, f in zip(t, fw[-len(t):])) / n * 1e6
+                   for t, fw, n in zip(runs, forwards, steps)]
             print(f"  {'':>4} own per step: hand loop {own[0]:.0f} us, "
                   + ", ".join(f"{n} {u:.0f} us" for n, u in zip(gens, own[1:])))
 
