@@ -215,3 +215,49 @@ def test_work_counters_are_declared_once(tiny):
     assert list(tiny.backend.counters) == names
     assert issubclass(Stats, WorkCounters)
     assert set(names) < set(dataclasses.asdict(tiny.stats))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["step", "draft", "drop", "drop_all"]),
+                          st.integers(0, 10_000)), min_size=1, max_size=10),
+       st.integers(1, 3))
+def test_hf_batch_feeds_drafts_and_truncations_are_exact(tiny, ops, n):
+    """Random forwards, multi-column feeds and truncations of 1-3 rows of the HF engine's
+    batch: every fed row's logits equal a fresh forward of its tokens.  After every forward
+    the buffer ends where its longest row does (columns every row dropped are written again),
+    and one row never needs a mask (one made each later forward ~20% slower)."""
+
+    def check_the_buffer():
+        rows_ = [batch.row_of[s] for s in slots]      # a row's end: past its last column
+        ends = [batch.cols[r][-1] + 1 if batch.cols[r] else batch.first[r] + batch.bases[r].length
+                for r in rows_]
+        assert batch.buf.length == max(ends)
+        assert n > 1 or not batch.padded
+
+    rows = [tiny.encode("Once upon a time") + [100 + j] * j for j in range(n)]
+    fed = [0] * n                      # columns fed past each row's stored prefix
+    batch = tiny.backend.batch()
+    slots = batch.add(rows, grow_by=4)   # the KV of each row but its last token
+    try:
+        for op, arg in ops:
+            if op in ("step", "draft"):
+                extra = [[(arg + 7 * j + i) % 300 + 100 for i in range((arg + j) % 3)]
+                         if op == "draft" else [] for j in range(n)]
+                got = batch.extend(slots, [[r[-1]] + e for r, e in zip(rows, extra)])
+                for j, e in enumerate(extra):
+                    rows[j] += e
+                    fed[j] += 1 + len(e)
+                    assert_close(got[j], tiny.full_logits(rows[j])[-1 - len(e):], tiny, op)
+                    rows[j].append((arg + j) % 300 + 100)
+                check_the_buffer()
+                continue
+            d = 1 + arg % 3
+            drop = [j for j in range(n) if (op == "drop_all" or j == arg % n) and fed[j] >= d]
+            for j in drop:
+                kept = batch.length(slots[j]) - d
+                batch.truncate(slots[j], kept)
+                del rows[j][kept + 1:]            # the token after the kept KV: fed next
+                fed[j] -= d
+        assert [batch.length(s) for s in slots] == [len(r) - 1 for r in rows]
+    finally:
+        batch.close()
