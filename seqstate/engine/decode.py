@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from seqstate.backends.base import CacheFullError
+from seqstate.engine.buffers import StepBuffers
 from seqstate.engine.job import Job
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
-from seqstate.engine.buffers import StepBuffers
 from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS, Stepper
 from seqstate.sampling.params import Sampler
 

@@ -170,9 +170,10 @@ class Generator:
                                 "prompt boundary to heal; got token_healing=True: leave it out "
                                 "of resume(), or call the generator on the state to heal")
         rows, cursors, span_starts, healed, replays = [], [], [], [], []
-        # one start cursor for every fresh row: cursors are immutable, and rows sharing one
-        # share the cursors along any path they walk alike (`GrammarCursor.advance`)
-        start = None if self.constraint is None else self.constraint.start()
+        # one start cursor for every fresh row (made at the first): cursors are immutable, and
+        # rows sharing one share the cursors along any path they walk alike
+        # (`GrammarCursor.advance`)
+        fresh = None
         for r in state.rows:
             last = r.last_span
             removed = ""
@@ -183,7 +184,9 @@ class Generator:
                 r, removed, cursor = heal(self.model, self.constraint, self.name, r)
                 begin = None
             else:
-                cursor, begin = start, None
+                if fresh is None and self.constraint is not None:
+                    fresh = self.constraint.start()
+                cursor, begin = fresh, None
             rows.append(r)
             cursors.append(cursor)
             span_starts.append(begin)
