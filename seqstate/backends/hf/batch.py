@@ -114,6 +114,7 @@ class HFBatch:
     def close(self) -> None:
         self.buf, self._cache = None, None    # the buffer is freed; stored KV stays
         self.mask, self._ones_from = torch.zeros(0, 0, dtype=torch.long), None
+        self._dropped = False
         self.row_of.clear()
         self.bases, self.cols, self.junk, self.first, self.frozen = [], [], [], [], []
 
@@ -283,8 +284,7 @@ class HFBatch:
         self._fill_mask()
         self.buf.length = top
         self.junk = [[c for c in cs if c < top] for cs in self.junk]
-        index = torch.tensor(rows, dtype=torch.long)
-        self.padded = not bool(self.mask.index_select(0, index)[:, :top].all())
+        self.padded = not bool(self.mask[rows, :top].all())        # the live rows' (host) mask
 
     def commit(self, slot: int, tokens: Sequence[int], length: int) -> KVHandle:
         """Store the slot's KV of ``tokens[:length]``: what the store lacks of it, copied
