@@ -22,7 +22,8 @@ class HFBatch:
     waiting, or released) rides along; that column is junk and is masked out if the row is
     fed again.  A rollback masks the dropped columns out (holes); columns that every live
     row dropped (the buffer's last) are given back instead, written again by the next forward
-    (`_reclaim`).  Nothing is ever recomputed and no other row is touched.  Rows joining later are right-aligned to the current column
+    (`_reclaim`).  Nothing is ever recomputed and no other row is touched.  Rows joining
+    later are right-aligned to the current column
     (the buffer shifts right when a newcomer's prefix is longer); released rows and columns
     no live row uses are compacted away once they are a quarter of the buffer.
 
