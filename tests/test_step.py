@@ -4,6 +4,8 @@ import contextlib
 import math
 import random
 
+import numpy as np
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,7 +18,7 @@ from seqstate.detokenize import StopMatcher
 from seqstate.engine import RowRequest, Stepper, generate
 from seqstate.engine import buffers as step_buffers
 from seqstate.engine.rows import LiveRow
-from seqstate.engine.step import allowed_mask, allowed_masks, constrained
+from seqstate.engine.step import RUNNERS_UP, allowed_mask, allowed_masks, constrained
 from seqstate.sampling.functions import greedy_list, greedy_tokens, picked_values
 
 
@@ -280,9 +282,10 @@ def test_allows_is_the_mask_for_every_token(tiny, walked):
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from([3, 10**6]), st.floats(0, 1))
 def test_greedy_step_is_the_masked_argmax(tiny, walked, seed, levels, spiked):
-    """A greedy step checks each row's best token and masks only the rows it refuses: the
-    tokens are the argmax of every row's masked logits (ties to the first id), dead ends end
-    their rows, and a row whose best token is allowed never builds its mask."""
+    """A greedy step checks each row's best token, then its next best ones, and masks only
+    the rows that refuse them all: the tokens are the argmax of every row's masked logits
+    (ties to the first id), dead ends end their rows, and a row that allows its best token
+    or one of its `RUNNERS_UP` next best never builds its mask."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     cursors = rng.sample(walked, 8) + [None, None]
@@ -312,6 +315,9 @@ def test_greedy_step_is_the_masked_argmax(tiny, walked, seed, levels, spiked):
             assert events[j].token is None and row.done
         else:
             assert events[j].token == expected[j] and row.tokens[-1] == expected[j]
+        # where its first allowed token comes in the row's order (value down, id up)
+        order = np.lexsort((np.arange(logits.shape[1]), -logits[j].numpy()))
+        first = int(np.argmax(masks[j].numpy()[order])) if masks[j].any() else None
         if (isinstance(before[j], GrammarCursor) and not before[j].forced()
-                and reference[j].allows(best[j])):
+                and first is not None and first <= RUNNERS_UP):
             assert before[j]._bits is None                  # it never built its mask

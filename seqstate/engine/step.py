@@ -25,6 +25,10 @@ __all__ = ["Stepper", "StepEvent", "allowed_mask", "allowed_masks", "constrained
            "DEFAULT_MAX_BACKTRACKS"]
 
 DEFAULT_MAX_BACKTRACKS = 32
+# a greedy row whose best token is refused tries this many next best ones before a mask:
+# each costs an argmax of the row (~5-15 us after a forward) and a cursor check (~1-3 us),
+# a mask ~50-200 us (a grammar's, filled, unpacked and applied)
+RUNNERS_UP = 4
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,6 +86,22 @@ def allowed_masks(rows: Sequence[LiveRow], vocab_size: int,
         if banned:
             mask[j, torch.tensor(sorted(banned), dtype=torch.long, device=device)] = False
     return mask
+
+
+def _runner_up(row: LiveRow, values, refused: int) -> int | None:
+    """The first of the row's next best tokens (after ``refused``, its best) that it allows,
+    trying up to `RUNNERS_UP`: NumPy's argmax over ``values`` (the row's logits, a copy this
+    writes -inf into), the first id on ties.  None where none of them is allowed or only
+    -inf values are left (the mask decides those)."""
+    token = refused
+    for _ in range(RUNNERS_UP):
+        values[token] = float("-inf")
+        token = int(values.argmax())
+        if values[token] == float("-inf"):
+            return None
+        if row.allows(token):
+            return token
+    return None
 
 
 def _kinds(cursors: Sequence) -> dict[type, list]:
@@ -267,25 +287,40 @@ class Stepper:
                 ) -> tuple[list[int], list[StepEvent]]:
         """Greedy's tokens from each row's best token ``best``, masking only the rows that
         need it: a row whose best token its cursor and bans allow takes it (the masked argmax
-        is the same token, ties too: no allowed token before it holds the same value); the
-        others are masked and take their best allowed token.  With a trained model most
-        rows' best token is allowed, so most steps build no mask at all (a JSON cursor checks
-        one token, not the vocabulary).  ``best`` itself where every row takes its best token,
-        else a new list."""
+        is the same token, ties too: no allowed token before it holds the same value).  On
+        the CPU a row that refuses it looks at its next best tokens, up to `RUNNERS_UP` of
+        them, one argmax at a time over a copy of its logits (each refused one set to -inf):
+        the first one it allows is its masked argmax (every token above it, and every one of
+        its value at a lower id, was refused).  The rest are masked and take their best
+        allowed token.  With a trained model most rows' best token is allowed, so most steps
+        build no mask at all (a JSON cursor checks one token, not the vocabulary).  ``best``
+        itself where every row takes its best token, else a new list."""
         for kind, group in _kinds([self.rows[i].cursor for i in live]).items():
             kind.prepare_allows(group)
         refused = [j for j, i in enumerate(live) if not self.rows[i].allows(best[j])]
         if not refused:
             return best, []
-        rows = [live[j] for j in refused]
-        allowed = allowed_masks([self.rows[i] for i in rows], logits.shape[-1], logits.device)
         buffers = self.buffers
         where = torch.tensor(refused, device=logits.device)                            # (R,)
         some = torch.index_select(logits, 0, where,
                                   out=buffers.tensor("gathered", logits, len(refused)))  # (R, V)
+        chosen = list(best)
+        if some.is_cpu:
+            host = some.numpy()
+            found = [_runner_up(self.rows[live[j]], host[k], best[j])
+                     for k, j in enumerate(refused)]
+            for j, token in zip(refused, found):
+                if token is not None:
+                    chosen[j] = token
+            left = [k for k, token in enumerate(found) if token is None]
+            if not left:
+                return chosen, []
+            if len(left) < len(refused):
+                some, refused = some[left], [refused[k] for k in left]            # (R', V)
+        rows = [live[j] for j in refused]
+        allowed = allowed_masks([self.rows[i] for i in rows], logits.shape[-1], logits.device)
         masked = constrained(some, allowed, True, buffers.tensor("masked", some))      # (R, V)
         events = self._dead_ends(rows, allowed, some, masked)
-        chosen = list(best)
         for j, token in zip(refused, greedy_tokens(masked).tolist()):
             chosen[j] = token
         return chosen, events
