@@ -33,6 +33,13 @@ class Cursor(ABC):
         mask = self.allowed()
         return token < mask.shape[0] and bool(mask[token])
 
+    @property
+    def mask_known(self) -> bool:
+        """Whether ``allowed()`` is computed already: a greedy row whose best token this
+        cursor refuses then goes straight to its mask instead of trying its next best tokens
+        (where a grammar forces text only a few tokens are allowed).  False by default."""
+        return False
+
     @classmethod
     def prepare(cls, cursors: list[Cursor]) -> None:
         """Compute the ``allowed`` masks of several cursors of this class together, before the

@@ -202,6 +202,10 @@ class GrammarCursor(Cursor):
             self._forced = self.matcher.compute_ff_bytes()
         return self._forced
 
+    @property
+    def mask_known(self) -> bool:
+        return self._bits is not None
+
     def allows(self, token: int) -> bool:
         """One token checked by the matcher (about a microsecond) unless the mask is known or
         the grammar forces bytes: there the mask also refuses a token that spells only the

@@ -92,7 +92,10 @@ def _runner_up(row: LiveRow, values, refused: int) -> int | None:
     """The first of the row's next best tokens (after ``refused``, its best) that it allows,
     trying up to `RUNNERS_UP`: NumPy's argmax over ``values`` (the row's logits, a copy this
     writes -inf into), the first id on ties.  None where none of them is allowed or only
-    -inf values are left (the mask decides those)."""
+    -inf values are left (the mask decides those), and at once where the row's cursor has
+    its mask already (a grammar forcing text: few tokens allowed, the tries would fail)."""
+    if row.cursor is not None and row.cursor.mask_known:
+        return None
     token = refused
     for _ in range(RUNNERS_UP):
         values[token] = float("-inf")
