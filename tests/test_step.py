@@ -3,6 +3,7 @@
 import contextlib
 import math
 import random
+from unittest import mock
 
 import numpy as np
 
@@ -17,6 +18,7 @@ from seqstate.constraints.healing import HealingCursor
 from seqstate.detokenize import StopMatcher
 from seqstate.engine import RowRequest, Stepper, generate
 from seqstate.engine import buffers as step_buffers
+from seqstate.engine import step as step_module
 from seqstate.engine.rows import LiveRow
 from seqstate.engine.step import RUNNERS_UP, allowed_mask, allowed_masks, constrained
 from seqstate.sampling.functions import greedy_list, greedy_tokens, picked_values
@@ -282,10 +284,11 @@ def test_allows_is_the_mask_for_every_token(tiny, walked):
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from([3, 10**6]), st.floats(0, 1))
 def test_greedy_step_is_the_masked_argmax(tiny, walked, seed, levels, spiked):
-    """A greedy step checks each row's best token, then its next best ones, and masks only
-    the rows that refuse them all: the tokens are the argmax of every row's masked logits
-    (ties to the first id), dead ends end their rows, and a row that allows its best token
-    or one of its `RUNNERS_UP` next best never builds its mask."""
+    """A greedy step checks each row's best token, then its next best ones or a known
+    mask's ids, and masks only the rows left: the tokens are the argmax of every row's masked
+    logits (ties to the first id), dead ends end their rows, a row that allows its best token
+    or one of its `RUNNERS_UP` next best never builds its mask, and a row whose mask is known
+    (a grammar forcing bytes) is never masked unless it is a dead end."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     cursors = rng.sample(walked, 8) + [None, None]
@@ -307,8 +310,17 @@ def test_greedy_step_is_the_masked_argmax(tiny, walked, seed, levels, spiked):
     best = logits.argmax(-1).tolist()
     before = [row.cursor for row in rows]
     stepper = Stepper(tiny, [], rows=rows)
-    events = {ev.row: ev for ev in stepper.step(logits)}
+    masked = []                                  # the rows the step built masks for
+
+    def spied(some, *args):
+        masked.extend(some)
+        return allowed_masks(some, *args)
+
+    with mock.patch.object(step_module, "allowed_masks", spied):
+        events = {ev.row: ev for ev in stepper.step(logits)}
     for j, row in enumerate(rows):
+        if isinstance(before[j], GrammarCursor) and before[j].forced() and not dead[j]:
+            assert not any(r is row for r in masked)        # its mask's ids gave its token
         if dead[j]:
             assert row.finish_reason == ss.FinishReason.DEAD_END
         elif expected[j] in tiny.eos_token_ids:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
 import torch
 
 __all__ = ["Cursor", "Constraint"]
@@ -36,9 +37,17 @@ class Cursor(ABC):
     @property
     def mask_known(self) -> bool:
         """Whether ``allowed()`` is computed already: a greedy row whose best token this
-        cursor refuses then goes straight to its mask instead of trying its next best tokens
-        (where a grammar forces text only a few tokens are allowed).  False by default."""
+        cursor refuses then takes the best of its `allowed_ids` instead of trying its next
+        best tokens (where a grammar forces text only a few tokens are allowed).  False by
+        default."""
         return False
+
+    def allowed_ids(self) -> np.ndarray:
+        """The ids ``allowed()`` allows, ascending (int64).  A greedy row whose best token a
+        cursor with its mask known refuses takes the best of these (a few where a grammar
+        forces text) instead of masking its whole row.  Cursors that keep their mask keep
+        these too."""
+        return np.flatnonzero(self.allowed().numpy())
 
     @classmethod
     def prepare(cls, cursors: list[Cursor]) -> None:

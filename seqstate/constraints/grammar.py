@@ -161,14 +161,15 @@ class GrammarConstraint(Constraint):
 class GrammarCursor(Cursor):
     """An llguidance matcher owned by exactly one generated token; never advanced in place."""
 
-    __slots__ = ("constraint", "matcher", "_bits", "_mask", "_draft", "_forced", "_next",
-                 "__weakref__")
+    __slots__ = ("constraint", "matcher", "_bits", "_mask", "_ids", "_draft", "_forced",
+                 "_next", "__weakref__")
 
     def __init__(self, constraint: GrammarConstraint, matcher) -> None:
         self.constraint = constraint
         self.matcher = matcher
         self._bits: np.ndarray | None = None
         self._mask: torch.Tensor | None = None
+        self._ids: np.ndarray | None = None
         self._draft: tuple[int, ...] | None = None
         self._forced: bytes | None = None
         self._next: tuple[int, weakref.ref] | None = None    # the last advance, while it lives
@@ -195,6 +196,13 @@ class GrammarCursor(Cursor):
             packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
             self._keep(np.unpackbits(packed, bitorder="little"))
         return self._mask
+
+    def allowed_ids(self) -> np.ndarray:
+        """`allowed`'s ids, found once per cursor (shared: callers must not write to it)."""
+        if self._ids is None:
+            self.allowed()
+            self._ids = np.flatnonzero(self._bits)
+        return self._ids
 
     def forced(self) -> bytes:
         """The bytes the grammar forces next (llguidance's fast-forward bytes)."""

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from seqstate.engine.buffers import OVERLAP_ELEMENTS, Computed, StepBuffers, TwoEnded, shared
@@ -18,7 +19,7 @@ from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.errors import LogitsError
 from seqstate.finish import FinishReason
 from seqstate.hooks import Replace, Rollback, SampleEvent, checked
-from seqstate.sampling.functions import greedy_list, greedy_tokens, picked_values
+from seqstate.sampling.functions import greedy_list, greedy_tokens, host_values, picked_values
 from seqstate.sampling.params import Greedy, Sampler
 
 __all__ = ["Stepper", "StepEvent", "allowed_mask", "allowed_masks", "constrained",
@@ -88,15 +89,23 @@ def allowed_masks(rows: Sequence[LiveRow], vocab_size: int,
     return mask
 
 
-def _runner_up(row: LiveRow, values, refused: int) -> int | None:
-    """The first of the row's next best tokens (after ``refused``, its best) that it allows,
-    trying up to `RUNNERS_UP`: NumPy's argmax over ``values`` (the row's logits, a copy this
-    writes -inf into), the first id on ties.  None where none of them is allowed or only
-    -inf values are left (the mask decides those), and at once where the row's cursor has
-    its mask already (a grammar forcing text: few tokens allowed, the tries would fail)."""
-    if row.cursor is not None and row.cursor.mask_known:
-        return None
-    token = refused
+def _best_allowed(row: LiveRow, values: np.ndarray, best: int) -> int | None:
+    """The row's masked argmax read on the host without its mask, where that is cheap, else
+    None (its mask decides, dead ends too).  ``values`` are its logits (read only), ``best``
+    their argmax, which the row refuses.  A cursor whose mask is known (a grammar forcing
+    text: a few tokens allowed) gives its `allowed_ids`: the best of those not banned, the
+    first id on ties.  Otherwise its next best tokens are tried, up to `RUNNERS_UP`, each
+    NumPy's argmax over a copy of ``values`` with the refused ones set to -inf (the first id
+    on ties): the first the row allows is its masked argmax."""
+    cursor = row.cursor
+    if cursor is not None and cursor.mask_known:
+        ids = cursor.allowed_ids()                                                  # (K,)
+        banned = row.bans.get(len(row.tokens))
+        if banned:
+            ids = ids[~np.isin(ids, list(banned))]
+        return int(ids[values[ids].argmax()]) if len(ids) else None
+    values = values.copy()                                                          # (V,)
+    token = best
     for _ in range(RUNNERS_UP):
         values[token] = float("-inf")
         token = int(values.argmax())
@@ -291,38 +300,33 @@ class Stepper:
         """Greedy's tokens from each row's best token ``best``, masking only the rows that
         need it: a row whose best token its cursor and bans allow takes it (the masked argmax
         is the same token, ties too: no allowed token before it holds the same value).  On
-        the CPU a row that refuses it looks at its next best tokens, up to `RUNNERS_UP` of
-        them, one argmax at a time over a copy of its logits (each refused one set to -inf):
-        the first one it allows is its masked argmax (every token above it, and every one of
-        its value at a lower id, was refused).  The rest are masked and take their best
-        allowed token.  With a trained model most rows' best token is allowed, so most steps
-        build no mask at all (a JSON cursor checks one token, not the vocabulary).  ``best``
-        itself where every row takes its best token, else a new list."""
+        the CPU a row that refuses it finds its masked argmax on the host where that is cheap
+        (`_best_allowed`: the best of a known mask's few ids, or the first allowed of its next
+        best tokens).  The rest are masked and take their best allowed token.  With a trained
+        model most rows' best token is allowed, so most steps build no mask at all (a JSON
+        cursor checks one token, not the vocabulary).  ``best`` itself where every row takes
+        its best token, else a new list."""
         for kind, group in _kinds([self.rows[i].cursor for i in live]).items():
             kind.prepare_allows(group)
         refused = [j for j, i in enumerate(live) if not self.rows[i].allows(best[j])]
         if not refused:
             return best, []
-        buffers = self.buffers
-        where = torch.tensor(refused, device=logits.device)                            # (R,)
-        some = torch.index_select(logits, 0, where,
-                                  out=buffers.tensor("gathered", logits, len(refused)))  # (R, V)
         chosen = list(best)
-        if some.is_cpu:
-            host = some.numpy()
-            found = [_runner_up(self.rows[live[j]], host[k], best[j])
-                     for k, j in enumerate(refused)]
+        host = host_values(logits)                                                     # (B, V)
+        if host is not None:
+            found = [_best_allowed(self.rows[live[j]], host[j], best[j]) for j in refused]
             for j, token in zip(refused, found):
                 if token is not None:
                     chosen[j] = token
-            left = [k for k, token in enumerate(found) if token is None]
-            if not left:
+            refused = [j for j, token in zip(refused, found) if token is None]
+            if not refused:
                 return chosen, []
-            if len(left) < len(refused):
-                some, refused = some[left], [refused[k] for k in left]            # (R', V)
+        where = torch.tensor(refused, device=logits.device)                            # (R,)
+        out = self.buffers.tensor("gathered", logits, len(refused))
+        some = torch.index_select(logits, 0, where, out=out)                           # (R, V)
         rows = [live[j] for j in refused]
         allowed = allowed_masks([self.rows[i] for i in rows], logits.shape[-1], logits.device)
-        masked = constrained(some, allowed, True, buffers.tensor("masked", some))      # (R, V)
+        masked = constrained(some, allowed, True, self.buffers.tensor("masked", some))  # (R, V)
         events = self._dead_ends(rows, allowed, some, masked)
         for j, token in zip(refused, greedy_tokens(masked).tolist()):
             chosen[j] = token
