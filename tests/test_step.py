@@ -103,6 +103,63 @@ def test_a_large_batchs_log_probs_are_the_log_softmax(tiny, shared, sampler):
     stepper.close()
 
 
+def test_a_large_greedy_batch_accepts_before_its_log_probs(tiny):
+    """A large greedy batch accepts its tokens while the helper still computes the
+    log-softmax, then writes their log-probs: every row ends as it does stepped alone (the
+    log-softmax computed at once), stop strings that cut a token included (the re-encoded
+    tail keeps no log-prob), constrained rows too."""
+    v, n = tiny.vocab.size, 23
+    regex = ss.constraints.regex(tiny, r"[a-z ]{2,40}")
+    prompt = tuple(tiny.encode("Hi"))
+    reqs = [RowRequest(prompt, 6, regex.start() if j % 3 == 0 else None,
+                       None if j % 3 == 0 else StopMatcher(["e", "a"]))
+            for j in range(n)]
+    gen = torch.Generator().manual_seed(0)
+    steps = [torch.randn(n, v, generator=gen) * 3 for _ in range(6)]
+    spy = mock.patch.object(Stepper, "_accept_before_logprobs",
+                            autospec=True, side_effect=Stepper._accept_before_logprobs)
+    with step_buffers.shared_buffers(), spy as accepted_first:
+        together = Stepper(tiny, reqs)
+        for logits in steps:
+            if together.done:
+                break
+            together.step(logits[together.live])
+        assert accepted_first.called
+    for j, req in enumerate(reqs):
+        alone = Stepper(tiny, [req])
+        for logits in steps:
+            if alone.done:
+                break
+            alone.step(logits[j: j + 1])
+        assert together.results()[j] == alone.results()[0]
+    cut = [r for r in together.results() if r.finish_reason == ss.FinishReason.STOP
+           and None in r.logprobs]
+    assert cut, "no row's stop string cut a token: pick other stop strings"
+
+
+def test_the_helpers_first_operation_takes_its_expected_share(tiny):
+    """The helper's first operation covers the rows `Lead` expects it to finish while the
+    step's thread works alone (one operation, not a chunk at a time), and `get` updates the
+    estimate from what it measured; the log-softmax is exact either way."""
+    v, n = tiny.vocab.size, 23
+    per_chunk = step_buffers.CHUNK_ELEMENTS // v
+    logits = torch.randn(n, v, generator=torch.Generator().manual_seed(0))
+    lead = step_buffers.Lead()
+    lead.update(1.0, 1e-12)                 # ample time alone: every row in one operation
+    computed = []
+    compute = step_buffers.TwoEnded._compute
+    with step_buffers.shared_buffers() as buffers, mock.patch.object(
+            step_buffers.TwoEnded, "_compute", autospec=True,
+            side_effect=lambda self, chunks: (computed.append(chunks), compute(self, chunks))[1]):
+        pending = step_buffers.TwoEnded(logits, torch.empty_like(logits), lead)
+        pending.start(buffers.helper()).helper.result()     # the step's thread busy alone
+        out = pending.get()
+    assert computed == [range(0, -(-n // per_chunk))]
+    assert torch.equal(out, logits.log_softmax(-1))
+    assert 0 < lead.alone < 1.0 and lead.per_element > 1e-12
+    assert step_buffers.Lead().rows(v) == 0                # no estimate: a chunk at first
+
+
 class _Refusing(ss.constraints.base.Cursor):
     """A cursor whose check of a token fails (a broken constraint), mid-step."""
 

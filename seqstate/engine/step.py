@@ -30,6 +30,8 @@ DEFAULT_MAX_BACKTRACKS = 32
 # each costs an argmax of the row (~5-15 us after a forward) and a cursor check (~1-3 us),
 # a mask ~50-200 us (a grammar's, filled, unpacked and applied)
 RUNNERS_UP = 4
+# a log-prob written once the step's log-softmax is done (`Stepper._accept_before_logprobs`)
+_PENDING = object()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -211,7 +213,7 @@ class Stepper:
             return Computed(logits.log_softmax(dim=-1)), False
         buffers = self.buffers
         out = buffers.tensor("logprobs", logits)
-        return TwoEnded(logits, out).start(buffers.helper()), True
+        return TwoEnded(logits, out, buffers.lead).start(buffers.helper()), True
 
     def results(self, handles: Sequence | None = None) -> list[RowResult]:
         return [r.result(handles[i] if handles else None) for i, r in enumerate(self.rows)]
@@ -260,8 +262,9 @@ class Stepper:
                               "its weights or the custom step that made these logits")
         if finite and greedy:
             chosen, events = self._greedy(live, logits, best)
-            if beside or chosen is not best:        # peaks read, or masked rows took others
-                logprobs = pending.get()
+            if beside:                              # the log-softmax still runs beside
+                return events + self._accept_before_logprobs(live, chosen, pending)
+            if chosen is not best:                  # masked rows took other tokens
                 picked = picked_values(logprobs, chosen)
         else:
             # 1. constrain: disallowed tokens get -inf; a row with nothing allowed is a dead end
@@ -293,6 +296,32 @@ class Stepper:
             chunk = row.accept(token, logprob)
             accepted = token if len(row.tokens) > before else None   # EOS is not appended
             events.append(StepEvent(i, accepted, chunk, 0, row.finish_reason))
+        return events
+
+    def _accept_before_logprobs(self, live: Sequence[int], chosen: list[int],
+                                pending: TwoEnded) -> list[StepEvent]:
+        """Accept greedy's ``chosen`` tokens (no hooks: each is final) while the helper
+        thread is still computing the log-softmax, then write each accepted token's log-prob
+        where it was left pending: the rows' cursors, detokenization and stop strings take
+        the step's own thread while it would otherwise wait, and it joins the log-softmax
+        with less of it left."""
+        events, later = [], []
+        try:
+            for j, i in enumerate(live):
+                row = self.rows[i]
+                if row.done:                        # a dead end, finished by `_greedy`
+                    continue
+                before = len(row.tokens)
+                later.append((row, len(row.logprobs), j))
+                chunk = row.accept(chosen[j], _PENDING)
+                accepted = chosen[j] if len(row.tokens) > before else None  # EOS: not appended
+                events.append(StepEvent(i, accepted, chunk, 0, row.finish_reason))
+        finally:                                    # a cursor that failed leaves none pending
+            picked = picked_values(pending.get(), chosen)                               # (B,)
+            for row, k, j in later:
+                # a stop string that cut the row's text re-encodes its tail: no log-prob there
+                if k < len(row.logprobs) and row.logprobs[k] is _PENDING:
+                    row.logprobs[k] = picked[j]
         return events
 
     def _greedy(self, live: Sequence[int], logits: torch.Tensor, best: list[int]
