@@ -99,7 +99,7 @@ class Lead:
 
     def __init__(self) -> None:
         self.alone = 0.0              # seconds the step's thread worked before waiting
-        self.per_element = 0.0        # seconds the helper took per logit
+        self.per_element = 0.0        # seconds a chunk took per logit, its fastest
 
     def rows(self, vocab: int) -> int:
         """Rows of ``vocab`` logits the helper computes in the time the step works alone."""
@@ -129,7 +129,7 @@ class TwoEnded:
         self.lock = threading.Lock()
         self.helper = None
         self.began = 0.0
-        self.per_element: float | None = None       # the helper's, over its first operation
+        self.per_element: float | None = None       # seconds per logit, the fastest chunk's
 
     def start(self, helper: ThreadPoolExecutor) -> TwoEnded:
         first = max(1, self.lead.rows(self.logits.shape[-1]) // self.rows)
@@ -149,11 +149,17 @@ class TwoEnded:
             self.back -= 1
             return range(self.back, self.back + 1)
 
-    def _compute(self, chunks: range) -> int:
-        """The log-softmax of ``chunks``' rows; returns how many logits that was."""
+    def _compute(self, chunks: range) -> None:
+        """The log-softmax of ``chunks``' rows, timed: the fastest per logit is kept (an
+        operation that ends while the other thread runs Python returns only when that thread
+        lets go of the GIL, so the slower ones measure the wait)."""
         rows = slice(chunks.start * self.rows, chunks.stop * self.rows)
+        t = time.perf_counter()
         torch.log_softmax(self.logits[rows], -1, out=self.out[rows])
-        return self.out[rows].numel()
+        per_element = (time.perf_counter() - t) / max(1, self.out[rows].numel())
+        with self.lock:
+            if self.per_element is None or per_element < self.per_element:
+                self.per_element = per_element
 
     def _chunks(self, front: bool) -> None:
         while (taken := self._take(front)) is not None:
@@ -163,12 +169,9 @@ class TwoEnded:
         # in the inference mode ``out`` was made in: only that mode may write it
         with torch.inference_mode(self.out.is_inference()):
             taken = self._take(True, first)
-            if taken is None:
-                return
-            t = time.perf_counter()
-            n = self._compute(taken)
-            self.per_element = (time.perf_counter() - t) / n
-            self._chunks(True)
+            if taken is not None:
+                self._compute(taken)
+                self._chunks(True)
 
     def get(self) -> torch.Tensor:
         alone = time.perf_counter() - self.began
