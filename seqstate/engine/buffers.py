@@ -109,10 +109,14 @@ class Lead:
 
     def update(self, alone: float, per_element: float | None) -> None:
         """One step's measures, half the weight of the estimate."""
-        self.alone = alone if not self.alone else (self.alone + alone) / 2
+        self.alone = _halfway(self.alone, alone)
         if per_element:
-            self.per_element = (per_element if not self.per_element
-                                else (self.per_element + per_element) / 2)
+            self.per_element = _halfway(self.per_element, per_element)
+
+
+def _halfway(estimate: float, measured: float) -> float:
+    """``measured`` averaged with ``estimate``, or ``measured`` alone where none is made yet."""
+    return (estimate + measured) / 2 if estimate else measured
 
 
 class TwoEnded:

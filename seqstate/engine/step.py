@@ -291,12 +291,17 @@ class Stepper:
             if row.done or rolled:
                 events.append(StepEvent(i, None, "", rolled, row.finish_reason))
                 continue
-            before = len(row.tokens)
             logprob = picked[j] if token == chosen[j] else logprobs[j, token].item()
-            chunk = row.accept(token, logprob)
-            accepted = token if len(row.tokens) > before else None   # EOS is not appended
-            events.append(StepEvent(i, accepted, chunk, 0, row.finish_reason))
+            events.append(self._accept(row, i, token, logprob))
         return events
+
+    @staticmethod
+    def _accept(row: LiveRow, i: int, token: int, logprob: float) -> StepEvent:
+        """Row ``i`` accepts ``token``; the step's event for it."""
+        before = len(row.tokens)
+        chunk = row.accept(token, logprob)
+        accepted = token if len(row.tokens) > before else None       # EOS is not appended
+        return StepEvent(i, accepted, chunk, 0, row.finish_reason)
 
     def _accept_before_logprobs(self, live: Sequence[int], chosen: list[int],
                                 pending: TwoEnded) -> list[StepEvent]:
@@ -311,11 +316,8 @@ class Stepper:
                 row = self.rows[i]
                 if row.done:                        # a dead end, finished by `_greedy`
                     continue
-                before = len(row.tokens)
                 later.append((row, len(row.logprobs), j))
-                chunk = row.accept(chosen[j], _PENDING)
-                accepted = chosen[j] if len(row.tokens) > before else None  # EOS: not appended
-                events.append(StepEvent(i, accepted, chunk, 0, row.finish_reason))
+                events.append(self._accept(row, i, chosen[j], _PENDING))
         finally:                                    # a cursor that failed leaves none pending
             picked = picked_values(pending.get(), chosen)                               # (B,)
             for row, k, j in later:
