@@ -32,7 +32,7 @@ import torch
 from seqstate.errors import CacheFullError, CapabilityError
 from seqstate.finish import FinishReason
 
-__all__ = ["Capabilities", "WorkCounters", "Handle", "Scored", "Token", "Batch", "Backend",
+__all__ = ["Capabilities", "WorkCounters", "Handle", "Scored", "Token", "Fed", "Batch", "Backend",
            "StepBackend", "RequestBackend", "CacheFullError",
            "openmp", "single_threaded_torch", "free_cpus"]
 
@@ -161,6 +161,25 @@ class Token:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fed:
+    """The logits `Batch.extend` returns: every fed token's as one tensor, in slot order or
+    not, and where each slot's rows are.  ``fed[j]`` is slot ``j``'s ``(len(feeds[j]), V)``
+    (a view), ``fed[a:b]`` the same for those slots only."""
+
+    logits: torch.Tensor             # (N, V)
+    starts: tuple[int, ...]          # per slot: its first row in ``logits``
+    lengths: tuple[int, ...]         # per slot: how many tokens it was fed
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, j: int | slice) -> torch.Tensor | Fed:
+        if isinstance(j, slice):
+            return Fed(self.logits, self.starts[j], self.lengths[j])
+        return self.logits[self.starts[j]: self.starts[j] + self.lengths[j]]
+
+
 @runtime_checkable
 class Batch(Protocol):
     """Working rows ("slots") that run together, one token per slot per forward.
@@ -183,11 +202,11 @@ class Batch(Protocol):
         """
         ...
 
-    def extend(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def extend(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]) -> Fed:
         """Feed ``feeds[j]`` (one or more tokens) to ``slots[j]``, all in one batch.
 
-        Returns, per slot, float32 logits ``(len(feeds[j]), V)``: the next-token logits after
-        each fed token.  Each slot's KV grows by ``len(feeds[j])``; speculation verifies a
+        Returns float32 logits of every fed token as one `Fed`: slot ``j``'s
+        ``(len(feeds[j]), V)`` are the next-token logits after each token it was fed.  Each slot's KV grows by ``len(feeds[j])``; speculation verifies a
         draft this way, then `truncate()` drops what the sampler did not accept.
         """
         ...

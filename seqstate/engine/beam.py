@@ -28,7 +28,7 @@ import torch
 from seqstate.engine.decode import FIRST_CAPACITY, commit
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.engine.job import Job, last_logits
-from seqstate.engine.step import allowed_mask
+from seqstate.engine.masks import allowed_mask
 from seqstate.finish import FinishReason
 from seqstate.sampling.params import BeamSearch
 

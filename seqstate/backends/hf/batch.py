@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from seqstate.backends.base import Fed
 from seqstate.backends.hf.buffer import KVBuffer
 from seqstate.backends.hf.cache import Cache, as_cache
 from seqstate.backends.hf.prefill import Network, ensure_kv
@@ -177,13 +178,13 @@ class HFBatch:
             return logits
         return logits[rows]                                                             # (N, V)
 
-    def extend(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def extend(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]) -> Fed:
         fed = {self.row_of[s]: list(f) for s, f in zip(slots, feeds)}
         logits = self._feed(fed, max(map(len, feeds)), "fed")                # (N, V), by row
         at, n = {}, 0
         for r in sorted(fed):
             at[r], n = n, n + len(fed[r])
-        return [logits[at[r]: at[r] + len(fed[r])] for r in (self.row_of[s] for s in slots)]
+        return Fed(logits, tuple(at[self.row_of[s]] for s in slots), tuple(map(len, feeds)))
 
     def _feed(self, fed: dict[int, list[int]], k: int, which: str) -> torch.Tensor:
         """One forward of ``k`` new columns: buffer row ``r`` gets ``fed[r]`` then junk;
