@@ -1,7 +1,7 @@
 """Grammar constraints on llguidance: Lark grammars, and JSON schemas compiled to grammars.
 
 The grammar is compiled once into a pristine matcher; each row starts from a ``deep_copy`` of it
-(~1 us), and a cursor forks its matcher on every advance, so each generated token keeps its own
+(cheap), and a cursor forks its matcher on every advance, so each generated token keeps its own
 cursor and slicing back needs no rollback.  llguidance silently enters a permanent error state
 on a bad token, so ``advance`` checks and raises instead.  Parser limits bound the work of
 compiling and of each mask, so a pathological grammar fails or dead-ends instead of hanging.
@@ -203,7 +203,7 @@ class GrammarCursor(Cursor):
         return self._forced
 
     def allows(self, token: int) -> bool:
-        """One token checked by the matcher (about a microsecond) unless the mask is known or
+        """One token checked by the matcher unless the mask is known or
         the grammar forces bytes: there the mask also refuses a token that spells only the
         start of a longer one the forced bytes make canonical (``h`` where ``hello``
         follows), which the matcher alone would take."""

@@ -14,9 +14,9 @@ __all__ = ["StepBuffers", "shared_buffers", "shared"]
 class StepBuffers:
     """Large tensors steps write (masked logits, gathered rows), kept by name.
 
-    A new (rows, vocabulary) tensor at every step would cost the page faults of mapping it
-    whenever the C allocator has given the memory back to the system; one kept tensor per use
-    does not.
+    A new (rows, vocabulary) tensor at every step would have its memory mapped again
+    whenever the C allocator has given it back to the system; one kept tensor per use is
+    mapped once.
     """
 
     def __init__(self) -> None:

@@ -8,7 +8,6 @@ call's `Decoding` (sampler, RNG, hooks).  It knows nothing about KV.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import torch
@@ -19,7 +18,7 @@ from seqstate.engine.rows import Decoding, LiveRow, RowRequest, RowResult
 from seqstate.errors import LogitsError
 from seqstate.finish import FinishReason
 from seqstate.hooks import Replace, Rollback, SampleEvent, checked
-from seqstate.sampling.functions import greedy_list, picked_values
+from seqstate.sampling.functions import finite_rows, greedy_list, picked_values
 from seqstate.sampling.params import Greedy
 
 __all__ = ["Stepper", "StepEvent"]
@@ -99,22 +98,10 @@ class Stepper:
         """Advance every live row by one token given its logits (B_live, V), in ``live`` order
         (or only ``rows``, live rows given in that order)."""
         live = self.live if rows is None else list(rows)
-        if not (isinstance(logits, torch.Tensor) and logits.dim() == 2
-                and logits.shape[0] == len(live)):
-            got = (f"shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor)
-                   else type(logits).__name__)
-            raise LogitsError(f"expected logits for {len(live)} live rows, a tensor of shape "
-                              f"({len(live)}, vocab) in `live` order, got {got}; feed one row of "
-                              f"logits per row of stepper.live (or of `rows`)")
+        _check_shape(logits, len(live))
         logits = logits.float()                                                         # (B, V)
         best = greedy_list(logits)                                                      # (B,)
-        # a NaN, a +inf or a row of -inf shows at the row's argmax
-        finite = all(map(math.isfinite, picked_values(logits, best)))
-        if not finite and not torch.isfinite(logits).any(dim=-1).all():
-            raise LogitsError(f"a row's logits are all NaN/inf (dtype {logits.dtype}): most likely "
-                              "the model's forward overflowed in float16/bfloat16; load it with "
-                              "dtype=torch.float32 (or bfloat16 rather than float16), else check "
-                              "its weights or the custom step that made these logits")
+        finite = finite_rows(logits, best)
         # 1. constrain and 2. sample; rows whose mask allows nothing are dead ends
         if isinstance(self.decoding.sampler, Greedy) and not self.hooks:
             chosen, events = self._greedy(live, logits, best, finite)
@@ -219,3 +206,14 @@ class Stepper:
             token = int(self._choose(masked[None], [i])[0])
             k = 0
         return token, 0
+
+
+def _check_shape(logits: torch.Tensor, rows: int) -> None:
+    """Refuse logits that are not one row per stepped row (`LogitsError`)."""
+    if isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.shape[0] == rows:
+        return
+    got = (f"shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor)
+           else type(logits).__name__)
+    raise LogitsError(f"expected logits for {rows} live rows, a tensor of shape ({rows}, vocab) "
+                      f"in `live` order, got {got}; feed one row of logits per row of "
+                      "stepper.live (or of `rows`)")
