@@ -23,14 +23,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+sys.path.insert(0, os.getcwd())          # the checkout to record: its seqstate, its suites
+
 import torch  # noqa: E402
 
-NEW = 32
-ROWS = (1, 16, 64)
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "minLength": 120},
-                                           "city": {"type": "string", "minLength": 120}},
-          "required": ["name", "city"]}
-PATTERN = "[a-z ]{1,200}"
+import seqstate as ss  # noqa: E402
+from benchmarks.overhead import NEW, PATTERN, ROWS, SCHEMA  # noqa: E402
 
 
 def _record(state) -> dict:
@@ -45,14 +43,12 @@ def _record(state) -> dict:
 
 def _replace(event):
     """A greedy hook that replaces every token ending in 'e' with token 260."""
-    import seqstate as ss
     return ss.hooks.Replace(260) if event.token_text.endswith("e") else None
 
 
 def _backtrack(event):
     """A greedy hook that resamples after a space now and then and rolls back once in a
     while."""
-    import seqstate as ss
     if event.position % 7 == 3 and event.token_text.startswith(" "):
         return ss.hooks.Resample()
     if len(event.text) > 12 and len(event.generated) > 3 and event.position % 11 == 0:
@@ -61,7 +57,6 @@ def _backtrack(event):
 
 
 def programs(model) -> dict:
-    import seqstate as ss
     prompts = [model.encode("Write about the word") + [1000 + i] for i in range(max(ROWS))]
     gens = {"regex": ss.regex(model, PATTERN), "text": ss.text(model),
             "json": ss.json(model, SCHEMA)}
@@ -99,12 +94,13 @@ def programs(model) -> dict:
     return out
 
 
-def record(path: str) -> None:
-    import seqstate as ss
+def record(path: str, models: str = "tiny,smollm2") -> None:
     print(f"seqstate from {ss.__file__}", flush=True)
     torch.set_num_threads(1)
     result = {}
-    for label, load in (("tiny", ss.models.testing.tiny), ("smollm2", ss.models.default)):
+    loaders = {"tiny": ss.models.testing.tiny, "smollm2": ss.models.default}
+    for label in models.split(","):
+        load = loaders[label]
         model = load()
         for name, value in programs(model).items():
             result[f"{label}/{name}"] = value
@@ -114,10 +110,13 @@ def record(path: str) -> None:
 
 
 def compare(before: str, after: str, atol: float) -> int:
+    """Say where two records differ (only the programs both hold); 1 where any does."""
     with open(before) as f:
         a = json.load(f)
     with open(after) as f:
         b = json.load(f)
+    both = set(a) & set(b)
+    a, b = {k: a[k] for k in both}, {k: b[k] for k in both}
     bad = 0
     worst = 0.0
     for key in sorted(set(a) | set(b)):
@@ -148,8 +147,8 @@ if __name__ == "__main__":
     parser.add_argument("files", nargs="+", help="OUT.json, or BEFORE.json AFTER.json with --compare")
     parser.add_argument("--compare", action="store_true")
     parser.add_argument("--atol", type=float, default=1e-4)
+    parser.add_argument("--models", default="tiny,smollm2", help="record these: tiny, smollm2")
     args = parser.parse_args()
     if args.compare:
         sys.exit(compare(*args.files, atol=args.atol))
-    sys.path.insert(0, os.getcwd())
-    record(args.files[0])
+    record(args.files[0], args.models)
