@@ -44,9 +44,9 @@ def ratios(text: str) -> dict[int, str]:
     """Per row count, the best-run cells of a `measure` table."""
     found = {}
     for line in text.splitlines():
-        m = re.match(r"\s+(\d+)\s+[\d.]+ ms\s+(.*?)\s{3}", line)
+        m = re.match(r"\s+(\d+)\s+[\d.]+ ms\s", line)
         if m:
-            found[int(m.group(1))] = " ".join(re.findall(r"\(([\d.]+x)\)", m.group(2)))
+            found[int(m.group(1))] = " ".join(re.findall(r"\(([\d.]+x)\)", line))
     return found
 
 
