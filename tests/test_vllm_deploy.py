@@ -178,7 +178,7 @@ def test_lm_eval_on_the_server_equals_the_hf_engine(keyed, real, record_property
 # -- what serve decides before starting anything -----------------------------------------------
 def _server(**options) -> Server:
     """A `Server` that is never started (no server environment needed: any Python file)."""
-    return Server(python=sys.executable, **options)
+    return Server(python=sys.executable, **{"runner_v2": False, **options})
 
 
 def test_a_cpu_gets_the_exact_profile_and_cuda_gets_vllms_defaults():
