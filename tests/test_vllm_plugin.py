@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 
 import seqstate as ss
 from seqstate.backends.vllm import wire
-from seqstate.backends.vllm.server import server_python
 from seqstate.backends.vllm.vocab import signal_tokens, vocabulary_table
 from seqstate.constraints import spec as keys
 
@@ -205,17 +204,6 @@ RUNNERS = pathlib.Path(__file__).parent / "vllm_runners.py"
 CODE = r"[0-9]{3}-(red|blue)"
 SUM = r"[0-9]{1,3}[+-][0-9]{1,3}"
 SUM_GRAMMAR = 'start: NUMBER OP NUMBER\nOP: "+" | "-"\nNUMBER: /[0-9]{1,3}/\n'
-
-
-@pytest.fixture(scope="module")
-def vllm_python():
-    """The server environment's Python (``make vllm``), as `_served` finds it."""
-    try:
-        return server_python()
-    except ss.ModelNotAvailable as exc:
-        if os.environ.get("SEQSTATE_REQUIRE_VLLM"):
-            raise
-        pytest.skip(f"no vLLM server environment: {exc}")
 
 
 def test_both_runners_processors_mask_alike_through_vllms_own_interfaces(served, tiny,

@@ -22,8 +22,10 @@ import sys
 
 import torch
 
+import vllm.v1.worker.cpu.shm  # noqa: F401  (vLLM's CPU worker's own shims, as it imports them)
 from vllm import SamplingParams
 from vllm.config import VllmConfig
+from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, build_logitsprocs
 from vllm.v1.worker.gpu.sample.logits_processor import (LogitsContext,
                                                          build_custom_logits_processors,
@@ -47,7 +49,7 @@ def loaders(config: VllmConfig, states: RequestState, good: dict) -> dict:
     try:
         validate(SamplingParams(extra_args={"seqstate": "{"}))
         said["malformed"] = "accepted"
-    except ValueError as exc:
+    except VLLMValidationError as exc:                    # the API server's HTTP 400
         said["malformed"] = str(exc)
     return said
 

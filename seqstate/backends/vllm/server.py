@@ -13,11 +13,11 @@ small blocks), equal to the ``hf`` engine; where it sees one, vLLM's own default
 dtype, CUDA graphs, its block size).  Explicit settings win over both.
 
 vLLM 0.32 has two model runners with different logits-processor interfaces, and the plugin
-has a processor for each (`PLUGINS`).  The server environment's vLLM is asked which it will
-run, by vLLM's own rule: ``$VLLM_USE_V2_MODEL_RUNNER`` where it is set (a user's choice is
-kept), otherwise Model Runner V2 wherever Triton runs there (every CUDA GPU; not vLLM's CPU
-build).  The choice is then pinned in the server's environment, so vLLM runs the runner whose
-processor it is given.
+has a processor for each (`PLUGINS`).  Which one vLLM runs follows vLLM's own rule:
+``$VLLM_USE_V2_MODEL_RUNNER`` where it is set (a user's choice is kept), otherwise Model
+Runner V2 wherever the server environment's vLLM finds a usable Triton (every CUDA GPU; not
+vLLM's CPU build).  The choice is pinned in the server's environment, so vLLM runs the
+runner whose processor it is given.
 """
 
 from __future__ import annotations
@@ -48,13 +48,14 @@ VENV = ".venv-vllm"
 PLUGINS = {False: "seqstate_vllm:SeqStateLogitsProcessor",
            True: "seqstate_vllm:SeqStateLogitsProcessorV2"}
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
-# run in the server environment: whether its torch sees CUDA and whether its vLLM will run
-# Model Runner V2 (vLLM 0.32's rule: $VLLM_USE_V2_MODEL_RUNNER where set, else Triton)
-_PROBE = """import json, torch
-import vllm.envs as envs
-from vllm.triton_utils import HAS_TRITON
-v2 = envs.VLLM_USE_V2_MODEL_RUNNER
-print(json.dumps({"cuda": torch.cuda.is_available(), "v2": HAS_TRITON if v2 is None else v2}))
+# run in the server environment: whether its torch sees CUDA and, with --triton, whether its
+# vLLM finds a usable Triton (vLLM 0.32 runs Model Runner V2 by default exactly where it does)
+_PROBE = """import json, sys, torch
+answer = {"cuda": torch.cuda.is_available()}
+if "--triton" in sys.argv:
+    from vllm.triton_utils import HAS_TRITON
+    answer["triton"] = HAS_TRITON
+print(json.dumps(answer))
 """
 # what seqstate's requests need, on every device: prefix caching, cache hits reported in
 # usage, vLLM's own sampling defaults instead of the model's generation_config, and log-probs
@@ -175,19 +176,30 @@ def _named(args: tuple[str, ...], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
-def _probe(python: Path) -> dict[str, bool]:
-    """What the server environment will run: ``{"cuda": ..., "v2": ...}`` (~3 s: it imports
-    torch and vLLM's settings)."""
-    runner = os.environ.get(RUNNER_ENV)
-    if runner is not None and not runner.strip().lstrip("-").isdigit():
+def _chosen_runner() -> bool | None:
+    """``$VLLM_USE_V2_MODEL_RUNNER`` as vLLM reads it (an integer, true where not 0); None
+    where it is not set."""
+    value = os.environ.get(RUNNER_ENV)
+    if value is None:
+        return None
+    try:
+        return bool(int(value))
+    except ValueError:
         raise ArgumentError(f"${RUNNER_ENV} must be 0 (vLLM's V1 model runner) or 1 (Model "
-                            f"Runner V2), got {runner!r}; unset it for vLLM's own choice")
-    probe = subprocess.run([str(python), "-c", _PROBE], capture_output=True, text=True,
-                           timeout=120)
+                            f"Runner V2), got {value!r}; unset it for vLLM's own choice"
+                            ) from None
+
+
+def _probe(python: Path, triton: bool) -> dict[str, bool]:
+    """Whether the server environment's torch sees CUDA (``cuda``) and, with ``triton``,
+    whether its vLLM finds a usable Triton (``triton``): ~2 s, or ~5 s with vLLM's import."""
+    probe = subprocess.run([str(python), "-c", _PROBE, *(["--triton"] if triton else [])],
+                           capture_output=True, text=True, timeout=300)
     answer = [line for line in probe.stdout.splitlines() if line.startswith("{")]
     if probe.returncode != 0 or not answer:
         raise ModelNotAvailable(f"the server environment's Python ({python}) cannot import "
-                                f"torch and vllm: {probe.stderr.strip()[-500:]}")
+                                f"torch{' and vllm' if triton else ''}: "
+                                f"{probe.stderr.strip()[-500:]}")
     return json.loads(answer[-1])
 
 
@@ -228,8 +240,8 @@ class Server:
         Whether the server runs on CUDA; None asks the server environment's torch.
     runner_v2 : bool or None
         Whether vLLM runs Model Runner V2 (the plugin's V2 processor is passed, and
-        ``$VLLM_USE_V2_MODEL_RUNNER`` pinned to match); None asks the server environment's
-        vLLM (the variable where set, else whether Triton runs there).
+        ``$VLLM_USE_V2_MODEL_RUNNER`` pinned to match); None: the variable where it is set,
+        else whether the server environment's vLLM finds a usable Triton.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, port: int | None = None,
@@ -240,9 +252,12 @@ class Server:
                  extra_args: tuple[str, ...] = (), cuda: bool | None = None,
                  runner_v2: bool | None = None, log: Any = None) -> None:
         self.python = server_python(python)          # a missing environment fails first
-        probed = _probe(self.python) if cuda is None or runner_v2 is None else {}
+        if runner_v2 is None:
+            runner_v2 = _chosen_runner()
+        probed = {} if cuda is not None and runner_v2 is not None else _probe(
+            self.python, triton=runner_v2 is None)
         self.cuda = probed["cuda"] if cuda is None else bool(cuda)
-        self.runner_v2 = probed["v2"] if runner_v2 is None else bool(runner_v2)
+        self.runner_v2 = probed["triton"] if runner_v2 is None else bool(runner_v2)
         if kv_cache_gib is not None and gpu_memory_utilization is not None:
             raise ArgumentError("give the KV cache's size once: kv_cache_gib (--kv-cache-gib, "
                                 "bytes per device) or gpu_memory_utilization (a share of the "
