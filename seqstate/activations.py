@@ -30,7 +30,7 @@ import torch
 
 from seqstate import scores
 from seqstate.backends.base import Scored
-from seqstate.backends.hf.hooked import Positions
+from seqstate.backends.positions import Positions
 from seqstate.engine.scoring import BackendJob
 from seqstate.errors import ArgumentError, HookNameError
 from seqstate.sampling.functions import check_logprobs
@@ -63,7 +63,7 @@ class ActivationCache(Mapping):
     >>> cache["blocks.1.hook_resid_post"].shape[:2] == (1, len(model.encode(" to the store")))
     True
     >>> cache.at("blocks.1.hook_resid_post", -1).shape     # each row's last position
-    torch.Size([1, 32])
+    torch.Size([1, 64])
     """
 
     activations: dict[str, torch.Tensor]
@@ -187,10 +187,13 @@ def next_logprobs(state: Any, hooks: Hooks, *, start: int | None = None) -> torc
     return out.view(*state.shape, -1)
 
 
-def score(state: Any, continuations: Any, hooks: Hooks, *,
-          start: int | None = None) -> scores.Scores:
+def score(state: Any, continuations: Any, hooks: Hooks, *, start: int | None = None,
+          store: bool = False) -> scores.Scores:
     """``state.score(continuations, hooks=...)``: each (row, option) pair one row of one
     hooked forward."""
+    if store:
+        raise ArgumentError("store=True keeps continuations' KV, and KV computed through "
+                            "hooks is never stored: drop one of store= and hooks=")
     listed = _check(state.model, "state.score(..., hooks=...)", hooks, [], start)
 
     def scorer(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[Scored]:

@@ -249,10 +249,7 @@ class SequenceState:
         (torch.Size([2, 1, 3]), True)
         """
         if hooks is not None:
-            if store:
-                raise ArgumentError("store=True keeps continuations' KV, and KV computed through "
-                                    "hooks is never stored: drop one of store= and hooks=")
-            return activations.score(self, continuations, hooks)
+            return activations.score(self, continuations, hooks, store=store)
         return scores.score(self.model, [r.tokens for r in self.rows], self.shape, continuations,
                             store=store)
 

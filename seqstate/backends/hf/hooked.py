@@ -26,57 +26,11 @@ from seqstate.backends.hf.buffer import KVBuffer
 from seqstate.backends.hf.cache import as_cache
 from seqstate.backends.hf.guard import SCRATCH_HOOK
 from seqstate.backends.hf.hook_points import HookPoint
-from seqstate.errors import PrefixPositionError
+from seqstate.backends.positions import Positions
 
-__all__ = ["Positions", "Hooked", "run_hooked"]
+__all__ = ["Hooked", "run_hooked"]
 
 HookFn = Callable[[torch.Tensor, "Positions"], "torch.Tensor | None"]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Positions:
-    """Which position of its row each column of an activation is.
-
-    Attributes
-    ----------
-    tensor
-        ``(rows, columns)`` long: each column's position in its row, -1 for padding.
-    computed
-        per row, its first computed position: positions before it are its stored prefix,
-        read from the store, in no activation.
-    lengths
-        per row, its length (positions ``0 .. length - 1``).
-
-    Examples
-    --------
-    A patch of position 7 of every row, in a hook ``fn(act, pos)``::
-
-        act[pos.at(7)] = clean_act_at_7        # or pos.at(-1): each row's last token
-    """
-
-    tensor: torch.Tensor
-    computed: tuple[int, ...]
-    lengths: tuple[int, ...]
-
-    def at(self, position: int) -> torch.Tensor:
-        """A ``(rows, columns)`` boolean mask of ``position`` in every row (negative: from
-        each row's end).  `seqstate.PrefixPositionError` where a row's ``position`` is in
-        its stored prefix: its activation was never computed, so no hook can read or change
-        it there."""
-        wanted = torch.tensor([position + n if position < 0 else position
-                               for n in self.lengths], device=self.tensor.device)
-        for row, (want, first, n) in enumerate(zip(wanted.tolist(), self.computed, self.lengths)):
-            if not 0 <= want < n:
-                raise PrefixPositionError(f"position {position} is outside row {row}, whose "
-                                          f"positions are 0..{n - 1}")
-            if want < first:
-                raise PrefixPositionError(
-                    f"position {want} of row {row} is in its stored prefix: positions "
-                    f"0..{first - 1} were read from the store, not computed, so a hook can "
-                    f"neither read nor change them.  Compute them: pass start={want} to the "
-                    f"call (the positions from {want} on are computed; start=0 recomputes "
-                    f"the whole sequence, a full forward)")
-        return self.tensor == wanted[:, None]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
