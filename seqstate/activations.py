@@ -31,7 +31,7 @@ import torch
 from seqstate import scores
 from seqstate.backends.base import Scored
 from seqstate.backends.positions import Positions
-from seqstate.engine.scoring import BackendJob
+from seqstate.engine.logprob_jobs import BackendJob
 from seqstate.errors import ArgumentError, HookNameError
 from seqstate.sampling.functions import check_logprobs
 

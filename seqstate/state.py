@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import html
 import operator
 import reprlib
 from collections.abc import Sequence
@@ -11,7 +10,7 @@ from typing import Any
 
 import torch
 
-from seqstate import activations, scores
+from seqstate import activations, scores, viz
 from seqstate.accessors import Axis, Captures, Chars, TokenAxis
 from seqstate.errors import ArgumentError, BatchMismatch, ModelMismatch, SlicingError
 from seqstate.indexing import is_prefix, normalize, token_positions
@@ -171,20 +170,7 @@ class SequenceState:
         return "\n".join(lines) + ")"
 
     def _repr_html_(self) -> str:
-        rows = []
-        for i, r in enumerate(self.rows):
-            cells = []
-            for t, lp in zip(r.tokens, r.logprobs):
-                piece = html.escape(self.model.vocab.token_bytes[t].decode("utf-8", "replace"))
-                if lp is None:
-                    cells.append(f"<span style='color:#555'>{piece}</span>")
-                else:
-                    p = min(1.0, max(0.0, float(torch.tensor(lp).exp())))
-                    cells.append(f"<span title='logprob {lp:.3f}' style='background:"
-                                 f"hsl({int(120 * p)},80%,85%)'>{piece}</span>")
-            rows.append(f"<div><b>[{i // self.n_samples},{i % self.n_samples}]</b> "
-                        f"<span style='white-space:pre-wrap;font-family:monospace'>{''.join(cells)}</span></div>")
-        return f"<div class='seqstate'><i>SequenceState {self.shape}</i>{''.join(rows)}</div>"
+        return viz.tokens_html(self)
 
     # -- indexing -----------------------------------------------------------------------------
     def __getitem__(self, key: Any) -> Any:
@@ -229,8 +215,7 @@ class SequenceState:
         appended to a state is: no special tokens) or a list of token ids (taken verbatim).
         Each row's KV is reused from the store or computed once and stored; its last
         position's distribution scores every continuation's first token; the continuations'
-        KV is scratch, not stored, unless ``store=True``.  ``hooks`` (``{name: fn}``) runs
-        them patched: see `run_with_hooks`.
+        KV is scratch, not stored, unless ``store=True``.  ``hooks``: see `run_with_hooks`.
 
         Returns
         -------
@@ -257,8 +242,7 @@ class SequenceState:
         """Float32 log-softmax of the next token after every row, ``(batch, samples, vocab)``.
 
         Each row's KV is reused from the store or computed once and stored (an empty row
-        means the start token, as for generators).  ``hooks`` (``{name: fn}``): patched, see
-        `run_with_hooks`.
+        means the start token, as for generators).  ``hooks``: see `run_with_hooks`.
 
         Examples
         --------
@@ -273,21 +257,16 @@ class SequenceState:
             return activations.next_logprobs(self, hooks)
         return scores.next_logprobs(self.model, [r.tokens for r in self.rows], self.shape)
 
-    # -- activations (seqstate.activations) ---------------------------------------------------
     def run_with_cache(self, names: Sequence[str], *, start: int | None = None
                        ) -> activations.ActivationCache:
-        """The activations ``names`` (``"blocks.3.hook_resid_post"``, ``"model.layers.3.mlp"``)
-        of the positions computed for the state: each row's after its stored prefix (read,
-        never written; nothing computed is stored), or from position ``start`` on (``start=0``:
-        every position, a full forward).  See `seqstate.activations.ActivationCache`."""
+        """Activations ``names`` of the positions computed after each row's stored prefix, or
+        from ``start`` (0: a full forward); nothing stored.  See `seqstate.activations`."""
         return activations.run_with_cache(self, names, start=start)
 
     def run_with_hooks(self, hooks: activations.Hooks, *, start: int | None = None
                        ) -> activations.HookedState:
-        """The state with ``hooks`` (``{name: fn(act, pos)}``) on: its ``next_logprobs()``,
-        ``score(...)`` and ``run_with_cache(...)`` run each row after its stored prefix
-        hooked, over the prefix's KV, storing nothing.  ``start`` as in `run_with_cache`.
-        See `seqstate.activations`."""
+        """The state with ``hooks`` (``{name: fn(act, pos)}``) on for its ``next_logprobs()``,
+        ``score()``, ``run_with_cache()``: see `seqstate.activations`."""
         return activations.HookedState(self, hooks, start)
 
     # -- concatenation ------------------------------------------------------------------------
@@ -330,7 +309,7 @@ class SequenceState:
             # a new prompt: the text is encoded as a prompt, and the rows' own prompt start
             # (their BOS) moves in front of it
             toks = tuple(self.model.encode_prompt(other))
-            head = Row(toks, None, (None,) * len(toks), (None,) * len(toks))
+            head = Row.plain(toks)
             return self._with_rows([_joined(head, r, self.model.vocab) for r in self.rows])
         return NotImplemented
 
@@ -419,5 +398,5 @@ def from_tokens(model: Any, token_ids: Sequence[Sequence[int]]) -> SequenceState
         if bad:
             raise ArgumentError(f"token ids {bad[:5]} are outside the vocabulary (0..{size - 1}) "
                                 f"of {model.name}; were they made by another tokenizer?")
-        rows.append(Row(ids, None, (None,) * len(ids), (None,) * len(ids)))
+        rows.append(Row.plain(ids))
     return SequenceState(model, tuple(rows), len(rows), 1)
