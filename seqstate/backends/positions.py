@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -29,9 +30,20 @@ class Positions:
 
     Examples
     --------
-    A patch of position 7 of every row, in a hook ``fn(act, pos)``::
+    In a hook ``fn(act, pos)``, ``act[pos.at(7)] = value`` patches position 7 of every row.
+    Two rows of 5 tokens, the first with 3 stored, the second (left-padded) with 2:
 
-        act[pos.at(7)] = clean_act_at_7        # or pos.at(-1): each row's last token
+    >>> import torch
+    >>> pos = Positions(torch.tensor([[-1, 3, 4], [2, 3, 4]]), (3, 2), (5, 5))
+    >>> pos.at(-1).tolist()                        # each row's last token
+    [[False, False, True], [False, False, True]]
+    >>> pos.at([3, 2]).tolist()                    # one position per row
+    [[False, True, False], [True, False, False]]
+    >>> try:
+    ...     pos.at(2)
+    ... except PrefixPositionError as err:
+    ...     print(str(err)[:48])
+    position 2 of row 0 is in its stored prefix: pos
     """
 
     tensor: torch.Tensor
@@ -43,7 +55,10 @@ class Positions:
         each row's end), or of ``position[r]`` in row ``r`` (one per row).
         `seqstate.PrefixPositionError` where a row's position is in its stored prefix: its
         activation was never computed, so no hook can read or change it there."""
-        each = [position] * len(self.lengths) if isinstance(position, int) else list(position)
+        try:
+            each = [operator.index(position)] * len(self.lengths)
+        except TypeError:
+            each = [operator.index(p) for p in position]
         if len(each) != len(self.lengths):
             raise PrefixPositionError(f"{len(each)} positions for {len(self.lengths)} rows: "
                                       f"give one int, or one per row")
