@@ -13,10 +13,13 @@ sweeps are timed from an empty store, and their patched log-probs compared.
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 import seqstate as ss
-from benchmarks.harness import interleaved, report
+from benchmarks.harness import report
 
 PREFIX, SUFFIX = 400, 10
 TEXT = ("The committee met on Tuesday to review the harbour project. Engineers described the "
@@ -97,16 +100,26 @@ def main(model, repeat: int = 3) -> None:
             out.append(logits[0, -1].float().log_softmax(-1))
         return torch.stack(out)
 
-    before = model.stats
-    ours = seqstate_sweep()
-    fed = (model.stats - before).prefill_tokens + (model.stats - before).decode_tokens
-    theirs = full_forwards()
+    times: list[list[float]] = [[], []]
+    for _ in range(repeat):                   # in turns, so that load affects both alike
+        before = model.stats
+        start = time.perf_counter()
+        ours = seqstate_sweep()
+        times[0].append(time.perf_counter() - start)
+        used = model.stats - before
+        print(f"  seqstate sweep: {times[0][-1]:.2f} s", flush=True)
+        start = time.perf_counter()
+        theirs = full_forwards()
+        times[1].append(time.perf_counter() - start)
+        print(f"  run: seqstate {times[0][-1]:.2f} s, full forwards {times[1][-1]:.2f} s",
+              flush=True)
     diff = (ours - theirs).abs().max().item()
-    times = interleaved([seqstate_sweep, full_forwards], repeat=repeat, warmup=0)
+    ours_s, theirs_s = statistics.median(times[0]), statistics.median(times[1])
     report(f"ACDC-style sweep: 30 (layer, position) patches, {PREFIX}-token shared prefix, "
            f"{SUFFIX}-token suffix", [
-               ("31 full forwards + torch hooks", times[1], "TransformerLens's way"),
-               ("seqstate run_with_hooks", times[0],
-                f"tokens fed {fed} (prefix once); max |log-prob diff| {diff:.2e}"),
+               ("31 full forwards + torch hooks", theirs_s, "TransformerLens's way"),
+               ("seqstate run_with_hooks", ours_s,
+                f"tokens fed {used.prefill_tokens + used.decode_tokens} (the prefix once); "
+                f"max |log-prob diff| {diff:.2e}"),
            ], "31 full forwards + torch hooks")
-    print(f"  ratio: {times[1] / times[0]:.2f}x (issue 52 asks >= 4x)")
+    print(f"  ratio: {theirs_s / ours_s:.2f}x (issue 52 asks >= 4x)")
