@@ -27,6 +27,7 @@ from seqstate.backends.hf.cache import as_cache
 from seqstate.backends.hf.guard import SCRATCH_HOOK
 from seqstate.backends.hf.hook_points import HookPoint
 from seqstate.backends.positions import Positions
+from seqstate.errors import ArgumentError
 
 __all__ = ["Hooked", "run_hooked"]
 
@@ -54,10 +55,10 @@ def _hook(point: HookPoint, fns: Sequence[HookFn], capture: dict[str, torch.Tens
             out = fn(act, positions)
             if out is not None:
                 if out.shape != act.shape:
-                    raise ValueError(f"the hook on {point.name!r} returned shape "
-                                     f"{tuple(out.shape)} for an activation of shape "
-                                     f"{tuple(act.shape)}: return the same shape, or None "
-                                     f"after editing it in place")
+                    raise ArgumentError(f"the hook on {point.name!r} returned shape "
+                                        f"{tuple(out.shape)} for an activation of shape "
+                                        f"{tuple(act.shape)}: return the same shape, or None "
+                                        f"after editing it in place")
                 act = out.to(act.dtype)
         if capture is not None:
             capture[point.name] = act.clone()
