@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from seqstate.engine.waiting import interruptible
 from seqstate.errors import ArgumentError, SeqStateError
 from seqstate.progress import progress_bar, quiet_calls
 
@@ -72,11 +73,14 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
     results: list[Any] = [None] * len(items)
     errors: dict[int, BaseException] = {}
     lock = threading.Lock()
+    interrupt = threading.Event()
     with progress_bar(progress, len(items), "seqstate", "input", call=False) as bar:
 
         def one(i: int) -> None:
+            if interrupt.is_set():
+                return
             try:
-                with quiet_calls():
+                with quiet_calls(), interruptible(interrupt):
                     results[i] = program(items[i])
             except Exception as exc:                 # noqa: BLE001 - reported per input
                 with lock:
@@ -91,7 +95,10 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
             for future in [pool.submit(one, i) for i in range(len(items))]:
                 future.result()
         except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)    # Ctrl-C: start nothing new
+            # Ctrl-C: start nothing new, and end the running programs' calls (each raises
+            # Interrupted within a poll), so the wait below is short
+            interrupt.set()
+            pool.shutdown(wait=False, cancel_futures=True)
             raise
         finally:
             pool.shutdown(wait=True)
@@ -146,12 +153,14 @@ async def arun_batch(program: Callable[[Any], Any], inputs: Iterable[Any], *,
     results: list[Any] = [None] * len(items)
     errors: dict[int, BaseException] = {}
     gate = asyncio.Semaphore(concurrency)
+    # ends the calls of plain programs (run on threads, which a cancelled task leaves running)
+    interrupt = threading.Event()
     with progress_bar(progress, len(items), "seqstate", "input", call=False) as bar:
 
         async def one(i: int) -> None:
             async with gate:
                 try:
-                    with quiet_calls():
+                    with quiet_calls(), interruptible(interrupt):
                         if inspect.iscoroutinefunction(program):
                             out = await program(items[i])
                         else:
@@ -167,6 +176,7 @@ async def arun_batch(program: Callable[[Any], Any], inputs: Iterable[Any], *,
         try:
             await asyncio.gather(*tasks)
         finally:
+            interrupt.set()
             for task in tasks:
                 task.cancel()
     if errors and not return_exceptions:

@@ -26,6 +26,9 @@ __all__ = [
     "CaptureNotFound",
     "LogitsError",
     "CallTimeout",
+    "Interrupted",
+    "CheckpointError",
+    "StateFormatError",
 ]
 
 
@@ -152,3 +155,19 @@ class CallTimeout(SeqStateError, TimeoutError):
     """A generator call that ran past its own ``timeout=``.  Its rows leave the running
     batch at the next step and what they held is released, as for a cancelled call; every
     existing state stays as it was and the other calls go on."""
+
+
+class Interrupted(SeqStateError, RuntimeError):
+    """A generator call ended because the program run it belongs to was interrupted: Ctrl-C
+    during ``ss.run_batch``, or its ``ss.arun_batch`` cancelled or timed out.  Its rows leave
+    the running batch at the next step; every existing state stays as it was."""
+
+
+class CheckpointError(SeqStateError, ValueError):
+    """A ``run_batch`` checkpoint that cannot be used: made by another program, model or
+    input list, or a result that cannot be stored (reported at the first one)."""
+
+
+class StateFormatError(SeqStateError, ValueError):
+    """Bytes that ``ss.loads`` cannot read as a state: not a saved state, a newer format
+    version, or damaged."""
