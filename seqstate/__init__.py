@@ -14,10 +14,12 @@ from seqstate.generation import (Generator, cfg, choice, continuous, final_state
                                  text)
 from seqstate.sampling import beam_search, greedy, multinomial
 from seqstate.scores import Scores
+from seqstate.persist import SavedState
+from seqstate.restore import loads
 from seqstate.state import SequenceState, from_tokens
 
 __all__ = [
-    "SequenceState", "from_tokens", "Scores", "Generator", "text", "choice", "regex", "json", "cfg",
+    "SequenceState", "from_tokens", "loads", "SavedState", "Scores", "Generator", "text", "choice", "regex", "json", "cfg",
     "continuous", "final_state", "FinishReason", "chat", "run_batch", "arun_batch", "BatchError",
     "greedy", "multinomial", "beam_search",
     "models", "backends", "engine", "sampling", "constraints", "grammars", "hooks", "viz",

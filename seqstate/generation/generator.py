@@ -25,7 +25,7 @@ from seqstate.generation.streaming import AsyncStream, Chunks, counting, final_s
 from seqstate.hooks import as_hook
 from seqstate.models.base import BaseModel as Model
 from seqstate.progress import progress_bar
-from seqstate.rows import Row, Span
+from seqstate.rows import Row, SavedCall, Span
 from seqstate.sampling.params import BeamSearch
 from seqstate.state import SequenceState
 
@@ -180,6 +180,8 @@ class Generator:
             if resume and last is not None and last.end == len(r.tokens) and (
                     r.cursors[-1] is not None or self._free_text(last)):
                 cursor, begin = r.cursors[-1], last.start
+            elif resume and last is not None and last.end == len(r.tokens) and self._saved(last):
+                cursor, begin = self._replayed(r.tokens[last.start:]), last.start
             elif call.token_healing:
                 r, removed, cursor = heal(self.model, self.constraint, self.name, r)
                 begin = None
@@ -200,8 +202,32 @@ class Generator:
     def _free_text(self, span: Span) -> bool:
         """Whether ``span`` is free text that this (free-text) generator continues on resume."""
         made = span.generator
+        if isinstance(made, SavedCall):
+            return (self.constraint is None and type(self) is Generator
+                    and not made.constrained)
         return (self.constraint is None and type(self) is Generator and type(made) is Generator
                 and made.constraint is None)
+
+    def _saved(self, span: Span) -> bool:
+        """Whether ``span`` is a loaded constrained call this constrained generator resumes."""
+        made = span.generator
+        return (isinstance(made, SavedCall) and made.constrained and self.constraint is not None
+                and made.name == self.name)
+
+    def _replayed(self, tokens: Sequence[int]) -> Cursor | None:
+        """The cursor after ``tokens`` from the constraint's start: a loaded state's calls
+        keep no cursors, and replaying the call's tokens recreates them exactly."""
+        cursor = self.constraint.start()
+        for token in tokens:
+            if cursor is None or (token in self.model.eos_token_ids and cursor.accepting):
+                break
+            if not cursor.allows(token):
+                raise ConstraintError(
+                    f"the saved call's tokens are not what this {self.name} generator allows "
+                    f"(token {token} refused); resume a loaded state with a generator built "
+                    "like the one that made it")
+            cursor = cursor.advance(token)
+        return cursor
 
     # -- after compute ------------------------------------------------------------------------
     def _row(self, old: Row, res: RowResult, span_start: int | None, healed: str,
@@ -228,7 +254,8 @@ class Generator:
         spans = old.spans if span_start is None else old.spans[:-1]
         if name is None and span_start is not None and old.spans:
             name = old.spans[-1].name                  # a resumed call keeps its capture
-        span = Span(start, len(res.tokens), self, reason, value, name=name)
+        span = Span(start, len(res.tokens), self, reason, value, name=name,
+                    text=text[len(healed):])
         return Row(res.tokens, res.handle, old.logprobs + res.logprobs, old.cursors + res.cursors,
                    spans + (span,), old.chat)
 
