@@ -8,7 +8,7 @@ from seqstate.errors import (ActivationHookError, ArgumentError, AuthenticationE
                              CaptureNotFound, ChatTemplateError, ConstraintError,
                              ContextOverflowError, EngineError, HookError, LogitsError,
                              ModelMismatch, ModelNotAvailable, SampleMismatch, SeqStateError,
-                             SlicingError, Interrupted, CheckpointError, StateFormatError)
+                             SlicingError, Interrupted, CheckpointError, ModelClosed, StateFormatError)
 from seqstate.finish import FinishReason
 from seqstate.generation import (Generator, cfg, choice, continuous, final_state, json, regex,
                                  text)
@@ -27,6 +27,6 @@ __all__ = [
     "ConstraintError", "ContextOverflowError", "CacheFullError", "ModelNotAvailable", "HookError",
     "ArgumentError",
     "ChatTemplateError", "CapabilityError", "ActivationHookError", "EngineError",
-    "AuthenticationError", "CaptureNotFound", "LogitsError", "CallTimeout", "Interrupted",
+    "AuthenticationError", "CaptureNotFound", "LogitsError", "CallTimeout", "Interrupted", "ModelClosed",
     "CheckpointError", "StateFormatError",
 ]

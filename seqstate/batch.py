@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from seqstate.checkpoint import Checkpoint
 from seqstate.engine.waiting import interruptible
 from seqstate.errors import ArgumentError, SeqStateError
 from seqstate.progress import progress_bar, quiet_calls
@@ -34,7 +37,8 @@ class BatchError(SeqStateError, RuntimeError):
 
 
 def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency: int = 16,
-              progress: bool | None = None, return_exceptions: bool = True) -> list[T | BaseException]:
+              progress: bool | None = None, return_exceptions: bool = True,
+              checkpoint: str | os.PathLike | None = None) -> list[T | BaseException]:
     """Run ``program(input)`` for every input, ``concurrency`` at a time; results in input order.
 
     ``program`` is plain Python that calls generators (any number, any kind, on states it
@@ -57,6 +61,19 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
     return_exceptions : bool, default True
         True: a failed input's entry is its exception, and the others are kept.  False: raise
         `BatchError` (holding every result) after all inputs ran.
+    checkpoint : str or path, optional
+        An SQLite file (`seqstate.checkpoint`): each input's result is written to it durably
+        as soon as its program returns; run again with the same file, finished inputs get
+        their stored results without their program being called, the others run, and the
+        results keep input order.  Results must be JSON values, states, pydantic models,
+        enums, or tuples, lists and dicts of those (the first that is not stops the run with
+        `seqstate.CheckpointError`); a failed input is not stored (a rerun tries it again).
+        A checkpoint of another program, model or input list is refused with
+        `seqstate.CheckpointError`.
+
+    Ctrl-C ends every running program within about a second: each one's generator call
+    raises `seqstate.Interrupted`, its rows leave the batch, and ``KeyboardInterrupt``
+    reaches the caller; the model stays usable.
 
     Examples
     --------
@@ -74,7 +91,14 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
     errors: dict[int, BaseException] = {}
     lock = threading.Lock()
     interrupt = threading.Event()
-    with progress_bar(progress, len(items), "seqstate", "input", call=False) as bar:
+    store = None if checkpoint is None else Checkpoint(checkpoint, program, items)
+    done = {} if store is None else store.finished()
+    with progress_bar(progress, len(items), "seqstate", "input", call=False) as bar, \
+            contextlib.closing(store) if store is not None else contextlib.nullcontext():
+        for i, result in done.items():
+            results[i] = result
+        if bar is not None and done:
+            bar.update(len(done))
 
         def one(i: int) -> None:
             if interrupt.is_set():
@@ -86,13 +110,16 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
                 with lock:
                     results[i] = exc
                     errors[i] = exc
+            else:
+                if store is not None:
+                    store.put(i, results[i])         # CheckpointError: the run stops
             if bar is not None:
                 bar.update(1)
 
         pool = ThreadPoolExecutor(max_workers=min(concurrency, max(len(items), 1)),
                                   thread_name_prefix="seqstate-run-batch")
         try:
-            for future in [pool.submit(one, i) for i in range(len(items))]:
+            for future in [pool.submit(one, i) for i in range(len(items)) if i not in done]:
                 future.result()
         except BaseException:
             # Ctrl-C: start nothing new, and end the running programs' calls (each raises

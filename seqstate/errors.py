@@ -27,6 +27,7 @@ __all__ = [
     "LogitsError",
     "CallTimeout",
     "Interrupted",
+    "ModelClosed",
     "CheckpointError",
     "StateFormatError",
 ]
@@ -171,3 +172,8 @@ class CheckpointError(SeqStateError, ValueError):
 class StateFormatError(SeqStateError, ValueError):
     """Bytes that ``ss.loads`` cannot read as a state: not a saved state, a newer format
     version, or damaged."""
+
+
+class ModelClosed(ModelNotAvailable):
+    """A call on a model after ``model.close()``: its engine has let go of what it held.
+    Load the model again to keep working."""

@@ -18,10 +18,11 @@ import torch
 from seqstate.backends.base import Handle, Scored
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.engine.waiting import BLOCKING, Caller
+from seqstate.errors import ModelClosed
 from seqstate.hooks import DEFAULT_MAX_BACKTRACKS
 from seqstate.sampling.params import BeamSearch, Sampler
 
-__all__ = ["Runner", "unobserved"]
+__all__ = ["Runner", "ClosedRunner", "unobserved"]
 
 
 def unobserved(rows: list[LiveRow]) -> tuple[()]:
@@ -85,3 +86,20 @@ class Runner(Protocol):
     def stored(self, rows: Sequence[Sequence[int]]) -> list[Handle]:
         """Handles on the KV of each ``row[:-1]``."""
         ...
+
+
+class ClosedRunner:
+    """The runner of a closed model (``model.close()``): every call raises `ModelClosed`,
+    before any compute."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise ModelClosed(f"model {self.name!r} was closed (model.close()); load it again to "
+                          "run more calls")
+
+    run = generate = beam = score = next_logprobs = stored = _refuse
+
+    def close(self) -> None:
+        """Nothing left to close."""

@@ -8,7 +8,7 @@ model's runner and records each row's span: where the call's tokens are and thei
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Unpack
 
 from seqstate.call import CALL_PARAMETERS, Call, CallOptions
@@ -21,7 +21,8 @@ from seqstate.generation import capabilities, prompts
 from seqstate.generation.beam import beam
 from seqstate.generation.healing import healed as heal
 from seqstate.generation.prompts import Prompt
-from seqstate.generation.streaming import AsyncStream, Chunks, counting, final_state, nothing
+from seqstate.generation.streaming import (AsyncStream, Chunks, Stream, counting, final_state,
+                                          nothing)
 from seqstate.hooks import as_hook
 from seqstate.models.base import BaseModel as Model
 from seqstate.progress import progress_bar
@@ -102,18 +103,27 @@ class Generator:
             state, checked, resume=True, chunks=False, caller=caller), checked).drain()
 
     @_call_method
-    def stream(self, prompt: Prompt, **call: Unpack[CallOptions]) -> Iterator[Any]:
-        """Yield generated text as it is produced; the iterator's return value is the final state.
+    def stream(self, prompt: Prompt, **call: Unpack[CallOptions]) -> Stream:
+        """Yield generated text as it is produced; then ``stream.state`` is the final state
+        (also the iterator's return value).
 
         Chunks never split a character and never contain text that may still turn out to be the
         start of a stop string (or, for hooks with a ``lookback``, text they may still roll
         back); concatenated, a row's chunks equal its generated text without the stop string.
         A 1x1 state yields ``str`` chunks, a larger one ``(batch, sample, str)`` tuples.
-        `final_state()` drains the iterator and returns the state.  Closing the iterator
+        `final_state()` drains the iterator and returns the state.  Closing the stream
         early (or dropping it) ends the call's rows at the next step.
+
+        Examples
+        --------
+        >>> import seqstate as ss
+        >>> stream = ss.text(ss.models.testing.tiny()).stream("Hello", max_tokens=4)
+        >>> chunks = list(stream)
+        >>> "".join(chunks) == stream.state.generated
+        True
         """
         checked = Call.of(call)
-        return self._stream(prompt, checked, resume=False, caller=checked.caller())
+        return Stream(self._stream(prompt, checked, resume=False, caller=checked.caller()))
 
     @_call_method
     def astream(self, prompt: Prompt, **call: Unpack[CallOptions]) -> AsyncStream:
