@@ -99,6 +99,7 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
             results[i] = result
         if bar is not None and done:
             bar.update(len(done))
+            bar.refresh()                            # resumed inputs show at once
 
         def one(i: int) -> None:
             if interrupt.is_set():
