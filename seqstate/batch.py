@@ -91,15 +91,10 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
     errors: dict[int, BaseException] = {}
     lock = threading.Lock()
     interrupt = threading.Event()
-    store = None if checkpoint is None else Checkpoint(checkpoint, program, items)
-    done = {} if store is None else store.finished()
+    store, done = _resumed(checkpoint, program, items, results)
     with progress_bar(progress, len(items), "seqstate", "input", call=False) as bar, \
             contextlib.closing(store) if store is not None else contextlib.nullcontext():
-        for i, result in done.items():
-            results[i] = result
-        if bar is not None and done:
-            bar.update(len(done))
-            bar.refresh()                            # resumed inputs show at once
+        _count_resumed(bar, done)
 
         def one(i: int) -> None:
             if interrupt.is_set():
@@ -153,17 +148,40 @@ def _inputs(program: Callable, inputs: Iterable[Any], concurrency: int, progress
     return list(inputs)
 
 
+def _resumed(checkpoint: Any, program: Callable, items: list[Any], results: list[Any]
+             ) -> tuple[Checkpoint | None, dict[int, Any]]:
+    """The run's checkpoint (None without one) and the results it holds, by input index,
+    put in ``results``."""
+    if checkpoint is None:
+        return None, {}
+    store = Checkpoint(checkpoint, program, items)
+    done = store.finished()
+    for i, result in done.items():
+        results[i] = result
+    return store, done
+
+
+def _count_resumed(bar: Any, done: dict[int, Any]) -> None:
+    """The progress bar counts resumed inputs, and shows them at once."""
+    if bar is not None and done:
+        bar.update(len(done))
+        bar.refresh()
+
+
 async def arun_batch(program: Callable[[Any], Any], inputs: Iterable[Any], *,
                      concurrency: int = 16, progress: bool | None = None,
-                     return_exceptions: bool = True) -> list[Any]:
+                     return_exceptions: bool = True,
+                     checkpoint: str | os.PathLike | None = None) -> list[Any]:
     """`run_batch` from a running event loop: ``await ss.arun_batch(program, inputs)``.
 
     ``program`` is an ``async def`` function of one input (its generator calls are
     ``await gen.acall(...)``: no thread per input), or a plain function (run on a thread,
     as `run_batch` runs it).  The same rules as `run_batch`: results in input order,
     ``concurrency`` programs in flight, a progress bar, a failed input's exception in its
-    place (or `BatchError` with ``return_exceptions=False``).  Cancelling the awaiting task
-    cancels every program still running (their calls' rows leave the batch).
+    place (or `BatchError` with ``return_exceptions=False``), ``checkpoint=``.  Cancelling
+    the awaiting task (or a timeout around it) ends every program still running within about
+    a second, plain ones on threads too (their calls raise `seqstate.Interrupted` and their
+    rows leave the batch).
 
     Examples
     --------
@@ -183,7 +201,10 @@ async def arun_batch(program: Callable[[Any], Any], inputs: Iterable[Any], *,
     gate = asyncio.Semaphore(concurrency)
     # ends the calls of plain programs (run on threads, which a cancelled task leaves running)
     interrupt = threading.Event()
-    with progress_bar(progress, len(items), "seqstate", "input", call=False) as bar:
+    store, done = _resumed(checkpoint, program, items, results)
+    with progress_bar(progress, len(items), "seqstate", "input", call=False) as bar, \
+            contextlib.closing(store) if store is not None else contextlib.nullcontext():
+        _count_resumed(bar, done)
 
         async def one(i: int) -> None:
             async with gate:
@@ -197,10 +218,13 @@ async def arun_batch(program: Callable[[Any], Any], inputs: Iterable[Any], *,
                 except Exception as exc:                 # noqa: BLE001 - reported per input
                     results[i] = exc
                     errors[i] = exc
+                else:
+                    if store is not None:
+                        store.put(i, results[i])     # CheckpointError: the run stops
             if bar is not None:
                 bar.update(1)
 
-        tasks = [asyncio.ensure_future(one(i)) for i in range(len(items))]
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(items)) if i not in done]
         try:
             await asyncio.gather(*tasks)
         finally:

@@ -180,3 +180,21 @@ def test_progress_counts_resumed_inputs(tmp_path, capsys, counted):
     ss.run_batch(program, range(5), checkpoint=tmp_path / "other.sqlite", progress=True)
     err = capsys.readouterr().err
     assert "5/5" in err and "3/5" in err
+
+
+def test_arun_batch_resumes_from_a_checkpoint(tmp_path, tiny):
+    import asyncio
+
+    calls = []
+    yes_no = ss.choice(tiny, ["yes", "no"])
+
+    async def program(topic):
+        calls.append(topic)
+        return (await yes_no.acall(f"Is {topic} good? ")).value
+
+    path = tmp_path / "run.sqlite"
+    first = asyncio.run(ss.arun_batch(program, ["cats", "dogs"], checkpoint=path,
+                                      progress=False))
+    again = asyncio.run(ss.arun_batch(program, ["cats", "dogs"], checkpoint=path,
+                                      progress=False))
+    assert again == first and len(calls) == 2
