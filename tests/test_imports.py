@@ -35,9 +35,11 @@ LAYERS = [
     ("engine", ["seqstate.engine"]),
     ("models", ["seqstate.models", *[f"{e.package}.{m}" for e in registry.engines()
                                      for m in ENGINE_MODEL_LAYER]]),
-    ("values", ["seqstate.rows", "seqstate.scores", "seqstate.accessors", "seqstate.state"]),
-    ("generation", ["seqstate.call", "seqstate.generation", "seqstate.conversation"]),
-    ("public surface", ["seqstate", "seqstate.batch", "seqstate.viz", "seqstate.demo",
+    ("values", ["seqstate.rows", "seqstate.scores", "seqstate.accessors", "seqstate.viz",
+                "seqstate.persist", "seqstate.state"]),
+    ("generation", ["seqstate.call", "seqstate.generation", "seqstate.conversation",
+                    "seqstate.restore"]),
+    ("public surface", ["seqstate", "seqstate.programs", "seqstate.checkpoint", "seqstate.demo",
                         "seqstate.__main__"]),
 ]
 
@@ -183,7 +185,7 @@ def test_no_upward_imports():
 def test_state_does_not_import_the_chat_layer():
     assert {m for m, _ in GRAPH["seqstate.state"]} <= {
         "seqstate.errors", "seqstate.indexing", "seqstate.rows", "seqstate.scores",
-        "seqstate.accessors"}
+        "seqstate.accessors", "seqstate.viz", "seqstate.persist"}
 
 
 def test_generation_is_a_package_of_small_modules():

@@ -1,4 +1,4 @@
-"""Interrupting a program run (seqstate/batch.py): Ctrl-C, a cancelled or timed-out
+"""Interrupting a program run (seqstate/programs.py): Ctrl-C, a cancelled or timed-out
 ``arun_batch``, end every running program within about a second; the model stays usable."""
 
 import asyncio
