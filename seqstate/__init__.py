@@ -9,16 +9,19 @@ from seqstate.errors import (ActivationHookError, ArgumentError, AuthenticationE
                              CaptureNotFound, ChatTemplateError, ConstraintError,
                              ContextOverflowError, EngineError, HookError, HookNameError,
                              LogitsError, ModelMismatch, ModelNotAvailable,
-                             PrefixPositionError, SampleMismatch, SeqStateError, SlicingError)
+                             PrefixPositionError, SampleMismatch, SeqStateError, SlicingError,
+                             Interrupted, CheckpointError, ModelClosed, StateFormatError)
 from seqstate.finish import FinishReason
 from seqstate.generation import (Generator, cfg, choice, continuous, final_state, json, regex,
                                  text)
 from seqstate.sampling import beam_search, greedy, multinomial
 from seqstate.scores import Scores
+from seqstate.persist import SavedState
+from seqstate.restore import loads
 from seqstate.state import SequenceState, from_tokens
 
 __all__ = [
-    "SequenceState", "from_tokens", "Scores", "Generator", "text", "choice", "regex", "json", "cfg",
+    "SequenceState", "from_tokens", "loads", "SavedState", "Scores", "Generator", "text", "choice", "regex", "json", "cfg",
     "continuous", "final_state", "FinishReason", "chat", "run_batch", "arun_batch", "BatchError",
     "greedy", "multinomial", "beam_search",
     "models", "backends", "engine", "sampling", "constraints", "grammars", "hooks", "viz",
@@ -27,5 +30,6 @@ __all__ = [
     "ArgumentError",
     "ChatTemplateError", "CapabilityError", "ActivationHookError", "EngineError",
     "AuthenticationError", "CaptureNotFound", "LogitsError", "CallTimeout", "HookNameError",
-    "PrefixPositionError", "activations",
+    "PrefixPositionError", "activations", "Interrupted", "ModelClosed", "CheckpointError",
+    "StateFormatError",
 ]

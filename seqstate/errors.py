@@ -28,6 +28,10 @@ __all__ = [
     "CallTimeout",
     "HookNameError",
     "PrefixPositionError",
+    "Interrupted",
+    "ModelClosed",
+    "CheckpointError",
+    "StateFormatError",
 ]
 
 
@@ -171,3 +175,24 @@ class PrefixPositionError(SeqStateError, IndexError):
     the store, not computed, so no hook sees or changes them.  The message says how to
     compute them instead (``start=`` on the call: from that position on, ``start=0`` a whole
     forward)."""
+
+
+class Interrupted(SeqStateError, RuntimeError):
+    """A generator call ended because the program run it belongs to was interrupted: Ctrl-C
+    during ``ss.run_batch``, or its ``ss.arun_batch`` cancelled or timed out.  Its rows leave
+    the running batch at the next step; every existing state stays as it was."""
+
+
+class CheckpointError(SeqStateError, ValueError):
+    """A ``run_batch`` checkpoint that cannot be used: made by another program, model or
+    input list, or a result that cannot be stored (reported at the first one)."""
+
+
+class StateFormatError(SeqStateError, ValueError):
+    """Bytes that ``ss.loads`` cannot read as a state: not a saved state, a newer format
+    version, or damaged."""
+
+
+class ModelClosed(ModelNotAvailable):
+    """A call on a model after ``model.close()``: its engine has let go of what it held.
+    Load the model again to keep working."""

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from seqstate.checkpoint import Checkpoint
+from seqstate.engine.waiting import interruptible
 from seqstate.errors import ArgumentError, SeqStateError
 from seqstate.progress import progress_bar, quiet_calls
 
@@ -33,7 +37,8 @@ class BatchError(SeqStateError, RuntimeError):
 
 
 def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency: int = 16,
-              progress: bool | None = None, return_exceptions: bool = True) -> list[T | BaseException]:
+              progress: bool | None = None, return_exceptions: bool = True,
+              checkpoint: str | os.PathLike | None = None) -> list[T | BaseException]:
     """Run ``program(input)`` for every input, ``concurrency`` at a time; results in input order.
 
     ``program`` is plain Python that calls generators (any number, any kind, on states it
@@ -56,6 +61,19 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
     return_exceptions : bool, default True
         True: a failed input's entry is its exception, and the others are kept.  False: raise
         `BatchError` (holding every result) after all inputs ran.
+    checkpoint : str or path, optional
+        An SQLite file (`seqstate.checkpoint`): each input's result is written to it durably
+        as soon as its program returns; run again with the same file, finished inputs get
+        their stored results without their program being called, the others run, and the
+        results keep input order.  Results must be JSON values, states, pydantic models,
+        enums, or tuples, lists and dicts of those (the first that is not stops the run with
+        `seqstate.CheckpointError`); a failed input is not stored (a rerun tries it again).
+        A checkpoint of another program, model or input list is refused with
+        `seqstate.CheckpointError`.
+
+    Ctrl-C ends every running program within about a second: each one's generator call
+    raises `seqstate.Interrupted`, its rows leave the batch, and ``KeyboardInterrupt``
+    reaches the caller; the model stays usable.
 
     Examples
     --------
@@ -72,26 +90,38 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
     results: list[Any] = [None] * len(items)
     errors: dict[int, BaseException] = {}
     lock = threading.Lock()
-    with progress_bar(progress, len(items), "seqstate", "input", call=False) as bar:
+    interrupt = threading.Event()
+    store, done = _resumed(checkpoint, program, items, results)
+    with progress_bar(progress, len(items), "seqstate", "input", call=False) as bar, \
+            contextlib.closing(store) if store is not None else contextlib.nullcontext():
+        _count_resumed(bar, done)
 
         def one(i: int) -> None:
+            if interrupt.is_set():
+                return
             try:
-                with quiet_calls():
+                with quiet_calls(), interruptible(interrupt):
                     results[i] = program(items[i])
             except Exception as exc:                 # noqa: BLE001 - reported per input
                 with lock:
                     results[i] = exc
                     errors[i] = exc
+            else:
+                if store is not None:
+                    store.put(i, results[i])         # CheckpointError: the run stops
             if bar is not None:
                 bar.update(1)
 
         pool = ThreadPoolExecutor(max_workers=min(concurrency, max(len(items), 1)),
                                   thread_name_prefix="seqstate-run-batch")
         try:
-            for future in [pool.submit(one, i) for i in range(len(items))]:
+            for future in [pool.submit(one, i) for i in range(len(items)) if i not in done]:
                 future.result()
         except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)    # Ctrl-C: start nothing new
+            # Ctrl-C: start nothing new, and end the running programs' calls (each raises
+            # Interrupted within a poll), so the wait below is short
+            interrupt.set()
+            pool.shutdown(wait=False, cancel_futures=True)
             raise
         finally:
             pool.shutdown(wait=True)
@@ -118,17 +148,40 @@ def _inputs(program: Callable, inputs: Iterable[Any], concurrency: int, progress
     return list(inputs)
 
 
+def _resumed(checkpoint: Any, program: Callable, items: list[Any], results: list[Any]
+             ) -> tuple[Checkpoint | None, dict[int, Any]]:
+    """The run's checkpoint (None without one) and the results it holds, by input index,
+    put in ``results``."""
+    if checkpoint is None:
+        return None, {}
+    store = Checkpoint(checkpoint, program, items)
+    done = store.finished()
+    for i, result in done.items():
+        results[i] = result
+    return store, done
+
+
+def _count_resumed(bar: Any, done: dict[int, Any]) -> None:
+    """The progress bar counts resumed inputs, and shows them at once."""
+    if bar is not None and done:
+        bar.update(len(done))
+        bar.refresh()
+
+
 async def arun_batch(program: Callable[[Any], Any], inputs: Iterable[Any], *,
                      concurrency: int = 16, progress: bool | None = None,
-                     return_exceptions: bool = True) -> list[Any]:
+                     return_exceptions: bool = True,
+                     checkpoint: str | os.PathLike | None = None) -> list[Any]:
     """`run_batch` from a running event loop: ``await ss.arun_batch(program, inputs)``.
 
     ``program`` is an ``async def`` function of one input (its generator calls are
     ``await gen.acall(...)``: no thread per input), or a plain function (run on a thread,
     as `run_batch` runs it).  The same rules as `run_batch`: results in input order,
     ``concurrency`` programs in flight, a progress bar, a failed input's exception in its
-    place (or `BatchError` with ``return_exceptions=False``).  Cancelling the awaiting task
-    cancels every program still running (their calls' rows leave the batch).
+    place (or `BatchError` with ``return_exceptions=False``), ``checkpoint=``.  Cancelling
+    the awaiting task (or a timeout around it) ends every program still running within about
+    a second, plain ones on threads too (their calls raise `seqstate.Interrupted` and their
+    rows leave the batch).
 
     Examples
     --------
@@ -146,12 +199,17 @@ async def arun_batch(program: Callable[[Any], Any], inputs: Iterable[Any], *,
     results: list[Any] = [None] * len(items)
     errors: dict[int, BaseException] = {}
     gate = asyncio.Semaphore(concurrency)
-    with progress_bar(progress, len(items), "seqstate", "input", call=False) as bar:
+    # ends the calls of plain programs (run on threads, which a cancelled task leaves running)
+    interrupt = threading.Event()
+    store, done = _resumed(checkpoint, program, items, results)
+    with progress_bar(progress, len(items), "seqstate", "input", call=False) as bar, \
+            contextlib.closing(store) if store is not None else contextlib.nullcontext():
+        _count_resumed(bar, done)
 
         async def one(i: int) -> None:
             async with gate:
                 try:
-                    with quiet_calls():
+                    with quiet_calls(), interruptible(interrupt):
                         if inspect.iscoroutinefunction(program):
                             out = await program(items[i])
                         else:
@@ -160,13 +218,17 @@ async def arun_batch(program: Callable[[Any], Any], inputs: Iterable[Any], *,
                 except Exception as exc:                 # noqa: BLE001 - reported per input
                     results[i] = exc
                     errors[i] = exc
+                else:
+                    if store is not None:
+                        store.put(i, results[i])     # CheckpointError: the run stops
             if bar is not None:
                 bar.update(1)
 
-        tasks = [asyncio.ensure_future(one(i)) for i in range(len(items))]
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(items)) if i not in done]
         try:
             await asyncio.gather(*tasks)
         finally:
+            interrupt.set()
             for task in tasks:
                 task.cancel()
     if errors and not return_exceptions:

@@ -17,7 +17,18 @@ from seqstate.constraints.base import Cursor
 from seqstate.errors import ChatTemplateError
 from seqstate.finish import FinishReason
 
-__all__ = ["Span", "Row", "Chat", "markup_end", "not_a_conversation"]
+__all__ = ["Span", "Row", "Chat", "SavedCall", "markup_end", "not_a_conversation"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SavedCall:
+    """The generator of a span loaded from saved bytes (``ss.loads``): its name and whether
+    it was constrained.  Generators themselves are not saved; ``gen.resume(state)`` resumes
+    such a span with ``gen``, its constraint's cursor recreated by replaying the span's
+    tokens."""
+
+    name: str
+    constrained: bool
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -28,8 +39,8 @@ class Span:
     ----------
     start, end : int
         The call's tokens in the row: ``row.tokens[start:end]``.
-    generator : Generator
-        The generator that made them.
+    generator : Generator or SavedCall
+        The generator that made them (a `SavedCall` in a loaded state).
     finish_reason : FinishReason
         Why the call ended (see `SequenceState.finish_reason`).
     value : object
@@ -39,6 +50,9 @@ class Span:
         Option scoring (``choice(..., method="score")``): every option's score.
     name : str, optional
         The call's ``name=``: the capture ``state[name]`` reads.
+    text : str, optional
+        The text the call wrote, parsed or not (without a stop string); None where the
+        span was cut by slicing (then its tokens' text is what is left of it).
     """
 
     start: int
@@ -48,6 +62,7 @@ class Span:
     value: Any
     scores: dict[str, float] | None = None      # option scoring: every option's score
     name: str | None = None                     # the call's ``name=``: a capture
+    text: str | None = None                     # what the call wrote (``state.generated``)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -105,7 +120,8 @@ class Row:
                 if cut.end - cut.start != span.end - span.start:
                     # a span cut short no longer carries its value (nor a capture: its name
                     # stays only for resume()): it is a different text now
-                    cut = dataclasses.replace(cut, value=None, finish_reason=FinishReason.SLICED)
+                    cut = dataclasses.replace(cut, value=None, text=None,
+                                              finish_reason=FinishReason.SLICED)
                 spans.append(cut)
         chat = None
         if positions.step == 1 and positions.start == 0 and self.chat is not None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from seqstate import activations, scores, viz
+from seqstate import activations, persist, scores, viz
 from seqstate.accessors import Axis, Captures, Chars, TokenAxis
 from seqstate.errors import ArgumentError, BatchMismatch, ModelMismatch, SlicingError
 from seqstate.indexing import is_prefix, normalize, token_positions
@@ -140,6 +140,58 @@ class SequenceState:
         max_backtracks, invalid (a JSON value that fails its schema), scored or sliced;
         None for a row no call made."""
         return self._per_row([r.last_span.finish_reason if r.last_span else None for r in self.rows])
+
+    @property
+    def generated(self) -> Any:
+        """The text the last generator call wrote per row, whether or not it parsed (a
+        scalar for a 1x1 state); None for a row no call made.
+
+        Where a constrained call did not complete (``max_tokens`` ran out inside a JSON
+        string, say) its ``value`` is None but its text is here.  A stop string is not part
+        of it (as it is not of ``value``).
+
+        Examples
+        --------
+        >>> import seqstate as ss
+        >>> model = ss.models.testing.tiny()
+        >>> s = ss.regex(model, r"[0-9]{6}")("Digits: ", max_tokens=2)
+        >>> s.value is None, len(s.generated) > 0
+        (True, True)
+        """
+        return self._per_row([self._generated(r) for r in self.rows])
+
+    def _generated(self, row: Row) -> str | None:
+        span = row.last_span
+        if span is None:
+            return None
+        if span.text is not None:
+            return span.text
+        return self.model.vocab.decode(row.tokens[span.start:span.end])
+
+    def dumps(self) -> bytes:
+        """The state as bytes: ``ss.loads(model, data)`` makes it a state again, in this
+        process or another, on any engine with the same tokenizer.
+
+        A versioned JSON format that runs no code when read: each row's tokens, log-probs,
+        spans (finish reasons, values, option scores, capture names) and conversation record.
+        KV is not saved (it is recomputed once from the tokens, when first needed), nor are
+        constraint cursors (``gen.resume(state)`` recreates them by replaying the call's
+        tokens).  ``pickle`` goes through the same bytes (see `seqstate.restore.loads`).
+
+        Examples
+        --------
+        >>> import seqstate as ss
+        >>> model = ss.models.testing.tiny()
+        >>> s = ss.text(model)("Once upon a time", max_tokens=4)
+        >>> back = ss.loads(model, s.dumps())
+        >>> back == s, back.finish_reason == s.finish_reason
+        (True, True)
+        """
+        return persist.encode_rows(self.model, self.rows, self.shape)
+
+    def __reduce__(self) -> tuple:
+        # a model cannot travel in a pickle: the state's bytes do, and ss.loads binds them
+        return (persist.SavedState, (self.dumps(),))
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -77,6 +77,10 @@ INTERNAL: dict[tuple[str, str, str], str] = {
         "the SIGTERM handler of `python -m seqstate.vllm serve`: a clean shutdown, not an error",
     ("seqstate/generation/streaming.py", "AsyncStream.__anext__", "StopAsyncIteration"):
         "the async iterator protocol: the stream has ended",
+    ("seqstate/generation/streaming.py", "Stream.__next__", "StopIteration"):
+        "the iterator protocol: the stream has ended (its value is the final state)",
+    ("seqstate/persist.py", "decode_rows", "ValueError"):
+        "caught in decode_rows itself: a damaged saved state becomes StateFormatError",
     ("seqstate/models/__init__.py", "__getattr__", "AttributeError"):
         "a module's __getattr__ protocol (PEP 562): a name the package does not have",
 }

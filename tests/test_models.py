@@ -110,3 +110,54 @@ def test_demo_shows_each_capability_and_what_it_saved(real, capsys):
     for label in ("chat", "turn 2", "fork x3", "slice", "beam", "json", "overall"):
         assert any(line.startswith(label) for line in out.splitlines()), label
     assert "reused" in out and "prefill avoided" in out and "Loading weights" not in out
+
+
+def _closing(model):
+    """``model`` closed while a long call runs on another thread: the call fails with
+    ModelClosed, later calls too (before compute), states keep their texts."""
+    import threading
+
+    kept = ss.text(model)("Before closing", max_tokens=3)
+    failed = []
+
+    def long_call():
+        try:
+            ss.text(model)("A long one", max_tokens=400)
+        except ss.ModelClosed as exc:
+            failed.append(exc)
+
+    if model.engine != "vllm":
+        thread = threading.Thread(target=long_call)
+        thread.start()
+        time.sleep(0.5)
+    model.close()
+    if model.engine != "vllm":
+        thread.join(timeout=60)
+        assert failed, "a call running when the model closed should fail with ModelClosed"
+    assert model.closed
+    for attempt in (lambda: ss.text(model)(kept, max_tokens=2),
+                    lambda: ss.text(model)("New", max_tokens=2),
+                    lambda: kept.next_logprobs(),
+                    lambda: kept.score([" a"]),
+                    lambda: ss.choice(model, ["a", "b"], method="score")(kept)):
+        with pytest.raises(ss.ModelClosed, match="closed"):
+            attempt()
+    assert kept.texts[0][0].startswith("Before closing")
+    model.close()                                            # twice: nothing
+
+
+def test_close_hf():
+    _closing(ss.models.testing.tiny())
+
+
+@pytest.mark.llamacpp
+def test_close_llamacpp():
+    from conftest import request_llamacpp
+
+    request_llamacpp()
+    _closing(ss.models.default(engine="llama.cpp", n_ctx=1024, n_threads=1))
+
+
+@pytest.mark.vllm
+def test_close_vllm(vllm_server):
+    _closing(ss.models.vllm(vllm_server.url))

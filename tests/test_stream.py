@@ -79,3 +79,15 @@ def test_detokenizer_chunks_are_the_bytes_decoded(tiny, picks):
         assert ours.push(t) == reference.decode(vocab.token_bytes[t])
         ours = ours.copy()
     assert ours.flush() == reference.decode(b"", final=True)
+
+
+def test_sync_stream_object_has_its_final_state(tiny):
+    stream = ss.text(tiny).stream("Stream me", max_tokens=6)
+    with pytest.raises(ss.ArgumentError, match="not ended"):
+        stream.state
+    chunks = list(stream)
+    assert stream.state == ss.text(tiny)("Stream me", max_tokens=6)
+    assert "".join(chunks) == stream.state.generated
+    assert ss.final_state(ss.text(tiny).stream("Stream me", max_tokens=6)) == stream.state
+    chunks, state = collect(ss.text(tiny).stream("Stream me", max_tokens=6))  # StopIteration
+    assert state == stream.state

@@ -18,9 +18,10 @@ import torch
 from seqstate.backends.base import Handle, Scored
 from seqstate.engine.rows import Decoding, LiveRow, RowRequest, RowResult
 from seqstate.engine.waiting import BLOCKING, Caller
+from seqstate.errors import ModelClosed
 from seqstate.sampling.params import BeamSearch
 
-__all__ = ["Runner", "unobserved"]
+__all__ = ["Runner", "ClosedRunner", "unobserved"]
 
 
 def unobserved(rows: list[LiveRow]) -> tuple[()]:
@@ -79,3 +80,20 @@ class Runner(Protocol):
     def stored(self, rows: Sequence[Sequence[int]]) -> list[Handle]:
         """Handles on the KV of each ``row[:-1]``."""
         ...
+
+
+class ClosedRunner:
+    """The runner of a closed model (``model.close()``): every call raises `ModelClosed`,
+    before any compute."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise ModelClosed(f"model {self.name!r} was closed (model.close()); load it again to "
+                          "run more calls")
+
+    run = generate = beam = score = next_logprobs = stored = _refuse
+
+    def close(self) -> None:
+        """Nothing left to close."""

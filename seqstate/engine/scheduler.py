@@ -46,6 +46,7 @@ from seqstate.engine.rows import Decoding, LiveRow, RowRequest, RowResult
 from seqstate.engine.runner import unobserved
 from seqstate.engine.running import _Run
 from seqstate.engine.waiting import BLOCKING, PAUSE, POLL_SECONDS, Caller
+from seqstate.errors import ModelClosed
 from seqstate.sampling.params import BeamSearch
 
 __all__ = ["Job", "Scheduler", "IDLE_SECONDS", "POLL_SECONDS"]
@@ -62,6 +63,7 @@ class Scheduler:
         self._pending: list[Job] = []
         self._worker: threading.Thread | None = None
         self._stopping = False
+        self._closed = False
         self._arrivals = itertools.count()
         atexit.register(_stop, weakref.ref(self))
 
@@ -107,6 +109,16 @@ class Scheduler:
                 next(steps)
             except StopIteration as stop:
                 return stop.value
+
+    def close(self) -> None:
+        """End the worker: the calls it runs or holds fail with `ModelClosed`, their rows
+        released; returns once it has ended (so the engine can let go of its memory)."""
+        with self._cv:
+            self._closed = True
+            worker = self._worker
+            self._cv.notify_all()
+        if worker is not None and worker is not threading.current_thread():
+            worker.join()
 
     # -- a model's calls -----------------------------------------------------------------------
     def run(self, requests: Sequence[RowRequest], decoding: Decoding = Decoding(),
@@ -202,6 +214,9 @@ class Scheduler:
             with torch.inference_mode(), shared_buffers():
                 while True:
                     with self._cv:
+                        if self._closed:
+                            self._end(run)
+                            return
                         if not self._pending and not run.jobs:
                             if not self._stopping:
                                 self._cv.wait(IDLE_SECONDS)
@@ -222,6 +237,18 @@ class Scheduler:
                     job.send("error", exc)
                 if self._worker is threading.current_thread():
                     self._worker = None
+
+    def _end(self, run: _Run) -> None:
+        """Fail every job with `ModelClosed` and end this worker (with ``_cv`` held)."""
+        closed = ModelClosed(f"model {self.model.name!r} was closed (model.close()) while "
+                             "this call ran; load it again to run more calls")
+        run.waiting += self._take()
+        run.reset(closed)
+        for job in run.waiting:
+            job.send("error", closed)
+        run.waiting = []
+        run.close()
+        self._worker = None
 
     def _take(self) -> list[Job]:
         """The pending jobs, now this worker's (with ``_cv`` held)."""

@@ -12,13 +12,35 @@ is spent per call, so any number of calls from one loop join the running batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
+import threading
 import time
+from collections.abc import Iterator
 
-from seqstate.errors import CallTimeout
+from seqstate.errors import CallTimeout, Interrupted
 
-__all__ = ["Caller", "BLOCKING", "PAUSE", "Pause", "POLL_SECONDS"]
+__all__ = ["Caller", "BLOCKING", "PAUSE", "Pause", "POLL_SECONDS", "INTERRUPT_POLL_SECONDS",
+           "interruptible"]
 
 POLL_SECONDS = 0.5      # how often a waiting caller makes sure its engine is still alive
+INTERRUPT_POLL_SECONDS = 0.1    # how often a caller inside `interruptible` looks at its event
+
+# the interrupt event of the program run (``ss.run_batch``) this thread's calls belong to
+_INTERRUPT: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
+    "seqstate_interrupt", default=None)
+
+
+@contextlib.contextmanager
+def interruptible(event: threading.Event) -> Iterator[None]:
+    """Within this block (one thread or task), a call made raises `Interrupted` within
+    `INTERRUPT_POLL_SECONDS` of ``event`` being set, and its rows leave the batch at the next
+    step: how ``run_batch`` ends every running program when it is interrupted."""
+    token = _INTERRUPT.set(event)
+    try:
+        yield
+    finally:
+        _INTERRUPT.reset(token)
 
 
 class Pause:
@@ -41,6 +63,7 @@ class Caller:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.loop = loop
         self._event = asyncio.Event() if loop is not None else None
+        self.interrupt = _INTERRUPT.get()
 
     @property
     def awaits(self) -> bool:
@@ -49,7 +72,14 @@ class Caller:
 
     def left(self, poll: float) -> float:
         """Seconds to wait before looking again: ``poll``, or less where the deadline is
-        nearer; raises `CallTimeout` once the deadline has passed."""
+        nearer; raises `CallTimeout` once the deadline has passed, `Interrupted` once the run
+        the call belongs to was interrupted."""
+        if self.interrupt is not None:
+            if self.interrupt.is_set():
+                raise Interrupted("the program run this call belongs to was interrupted "
+                                  "(Ctrl-C, or its arun_batch was cancelled or timed out); "
+                                  "its rows leave the batch at the next step")
+            poll = min(poll, INTERRUPT_POLL_SECONDS)
         if self.deadline is None:
             return poll
         left = self.deadline - time.monotonic()

@@ -8,7 +8,7 @@ model's runner and records each row's span: where the call's tokens are and thei
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Unpack
 
 from seqstate.call import CALL_PARAMETERS, Call, CallOptions
@@ -21,11 +21,12 @@ from seqstate.generation import capabilities, prompts
 from seqstate.generation.beam import beam
 from seqstate.generation.healing import healed as heal
 from seqstate.generation.prompts import Prompt
-from seqstate.generation.streaming import AsyncStream, Chunks, counting, final_state, nothing
+from seqstate.generation.streaming import (AsyncStream, Chunks, Stream, counting, final_state,
+                                          nothing)
 from seqstate.hooks import as_hook
 from seqstate.models.base import BaseModel as Model
 from seqstate.progress import progress_bar
-from seqstate.rows import Row, Span
+from seqstate.rows import Row, SavedCall, Span
 from seqstate.sampling.params import BeamSearch
 from seqstate.state import SequenceState
 
@@ -102,18 +103,27 @@ class Generator:
             state, checked, resume=True, chunks=False, caller=caller), checked).drain()
 
     @_call_method
-    def stream(self, prompt: Prompt, **call: Unpack[CallOptions]) -> Iterator[Any]:
-        """Yield generated text as it is produced; the iterator's return value is the final state.
+    def stream(self, prompt: Prompt, **call: Unpack[CallOptions]) -> Stream:
+        """Yield generated text as it is produced; then ``stream.state`` is the final state
+        (also the iterator's return value).
 
         Chunks never split a character and never contain text that may still turn out to be the
         start of a stop string (or, for hooks with a ``lookback``, text they may still roll
         back); concatenated, a row's chunks equal its generated text without the stop string.
         A 1x1 state yields ``str`` chunks, a larger one ``(batch, sample, str)`` tuples.
-        `final_state()` drains the iterator and returns the state.  Closing the iterator
+        `final_state()` drains the iterator and returns the state.  Closing the stream
         early (or dropping it) ends the call's rows at the next step.
+
+        Examples
+        --------
+        >>> import seqstate as ss
+        >>> stream = ss.text(ss.models.testing.tiny()).stream("Hello", max_tokens=4)
+        >>> chunks = list(stream)
+        >>> "".join(chunks) == stream.state.generated
+        True
         """
         checked = Call.of(call)
-        return self._stream(prompt, checked, resume=False, caller=checked.caller())
+        return Stream(self._stream(prompt, checked, resume=False, caller=checked.caller()))
 
     @_call_method
     def astream(self, prompt: Prompt, **call: Unpack[CallOptions]) -> AsyncStream:
@@ -179,6 +189,8 @@ class Generator:
             if resume and last is not None and last.end == len(r.tokens) and (
                     r.cursors[-1] is not None or self._free_text(last)):
                 cursor, begin = r.cursors[-1], last.start
+            elif resume and last is not None and last.end == len(r.tokens) and self._saved(last):
+                cursor, begin = self._replayed(r.tokens[last.start:]), last.start
             elif call.token_healing:
                 r, removed, cursor = heal(self.model, self.constraint, self.name, r)
                 begin = None
@@ -199,8 +211,32 @@ class Generator:
     def _free_text(self, span: Span) -> bool:
         """Whether ``span`` is free text that this (free-text) generator continues on resume."""
         made = span.generator
+        if isinstance(made, SavedCall):
+            return (self.constraint is None and type(self) is Generator
+                    and not made.constrained)
         return (self.constraint is None and type(self) is Generator and type(made) is Generator
                 and made.constraint is None)
+
+    def _saved(self, span: Span) -> bool:
+        """Whether ``span`` is a loaded constrained call this constrained generator resumes."""
+        made = span.generator
+        return (isinstance(made, SavedCall) and made.constrained and self.constraint is not None
+                and made.name == self.name)
+
+    def _replayed(self, tokens: Sequence[int]) -> Cursor | None:
+        """The cursor after ``tokens`` from the constraint's start: a loaded state's calls
+        keep no cursors, and replaying the call's tokens recreates them exactly."""
+        cursor = self.constraint.start()
+        for token in tokens:
+            if cursor is None or (token in self.model.eos_token_ids and cursor.accepting):
+                break
+            if not cursor.allows(token):
+                raise ConstraintError(
+                    f"the saved call's tokens are not what this {self.name} generator allows "
+                    f"(token {token} refused); resume a loaded state with a generator built "
+                    "like the one that made it")
+            cursor = cursor.advance(token)
+        return cursor
 
     # -- after compute ------------------------------------------------------------------------
     def _row(self, old: Row, res: RowResult, span_start: int | None, healed: str,
@@ -227,7 +263,8 @@ class Generator:
         spans = old.spans if span_start is None else old.spans[:-1]
         if name is None and span_start is not None and old.spans:
             name = old.spans[-1].name                  # a resumed call keeps its capture
-        span = Span(start, len(res.tokens), self, reason, value, name=name)
+        span = Span(start, len(res.tokens), self, reason, value, name=name,
+                    text=text[len(healed):])
         return Row(res.tokens, res.handle, old.logprobs + res.logprobs, old.cursors + res.cursors,
                    spans + (span,), old.chat)
 

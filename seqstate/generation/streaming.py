@@ -12,7 +12,8 @@ from seqstate.errors import ArgumentError
 from seqstate.hooks import as_hook
 from seqstate.state import SequenceState
 
-__all__ = ["Chunks", "counting", "nothing", "rollback_reach", "final_state", "AsyncStream"]
+__all__ = ["Chunks", "counting", "nothing", "rollback_reach", "final_state", "Stream",
+           "AsyncStream"]
 
 
 def nothing(rows) -> tuple:
@@ -73,6 +74,50 @@ def final_state(stream: Iterator[str]) -> SequenceState:
             next(stream)
         except StopIteration as stop:
             return stop.value
+
+
+class Stream:
+    """A call's text as it is produced: ``for chunk in stream`` yields the chunks of
+    `Generator.stream`, then ``stream.state`` is the final state (also the iterator's return
+    value, ``StopIteration.value``, as for a generator).
+
+    ``stream.close()``, or dropping the stream unfinished, ends the call's rows at the
+    engine's next step.
+    """
+
+    def __init__(self, steps: Generator[Any, None, Any]) -> None:
+        self._steps = steps
+        self._state: Any = None
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._steps)
+        except StopIteration as stop:
+            self._state = stop.value
+            raise StopIteration(stop.value) from None
+
+    def send(self, value: Any) -> Any:
+        """As a generator's ``send``: ``yield from stream`` works as with the generator."""
+        return self.__next__() if value is None else self._steps.send(value)
+
+    def throw(self, *exc: Any) -> Any:
+        """As a generator's ``throw``: the exception is raised inside the call."""
+        return self._steps.throw(*exc)
+
+    def close(self) -> None:
+        """End the call now: its rows leave the batch at the engine's next step."""
+        self._steps.close()
+
+    @property
+    def state(self) -> Any:
+        """The final state, once the stream has ended."""
+        if self._state is None:
+            raise ArgumentError("the stream has not ended: iterate it to its end (`for chunk "
+                                "in stream`, or list(stream)) first")
+        return self._state
 
 
 class AsyncStream:

@@ -13,7 +13,7 @@ import torch
 
 from seqstate.backends.base import Backend, StepBackend, WorkCounters
 from seqstate.engine.requests import RequestRunner
-from seqstate.engine.runner import Runner
+from seqstate.engine.runner import ClosedRunner, Runner
 from seqstate.engine.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -132,6 +132,47 @@ class BaseModel:
         self.runner: Runner = (
             Scheduler(self) if isinstance(backend, StepBackend) else RequestRunner(self))
 
+    def close(self) -> None:
+        """Let go of what the engine holds: the running calls fail with
+        `seqstate.ModelClosed`, the worker thread ends, the engine frees its memory (llama.cpp
+        its context) or its connections (vLLM; the server keeps running).  Every call
+        afterwards raises `seqstate.ModelClosed` before any compute; states made on the model
+        keep their tokens and texts.  Closing twice does nothing.  A model is also a context
+        manager that closes it at the end of the block.
+
+        Examples
+        --------
+        >>> import seqstate as ss
+        >>> model = ss.models.testing.tiny()
+        >>> s = ss.text(model)("Hello", max_tokens=2)
+        >>> model.close()
+        >>> try:
+        ...     ss.text(model)(s, max_tokens=2)
+        ... except ss.ModelClosed:
+        ...     print("closed")
+        closed
+        """
+        with self.lock:
+            runner = self.runner
+            if isinstance(runner, ClosedRunner):
+                return
+            self.runner = ClosedRunner(self.name)
+        close = getattr(runner, "close", None)
+        if close is not None:
+            close()
+        self.backend.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called."""
+        return isinstance(self.runner, ClosedRunner)
+
+    def __enter__(self) -> BaseModel:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     # -- tokenizer ----------------------------------------------------------------------------
     @cached_property
     def vocab(self) -> TokenVocabulary:
@@ -222,4 +263,6 @@ class BaseModel:
         self.backend.capabilities.require(
             "full_logits", "model.full_logits()", "use the hf or llama.cpp engine for it",
             self.name)
+        if self.closed:
+            self.runner.next_logprobs()          # raises ModelClosed
         return self.backend.fresh_logits(ids)

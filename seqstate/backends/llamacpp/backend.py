@@ -107,6 +107,12 @@ class LlamaCppBackend(StepBackend):
         self.lock = threading.RLock()
         self._batches: weakref.WeakSet[LlamaCppBatch] = weakref.WeakSet()
 
+    def close(self) -> None:
+        """Free llama.cpp's model and context (``model.close()`` calls it once the scheduler's
+        worker has ended; nothing may use the backend after)."""
+        with self.lock:
+            self.llama.close()
+
     @contextlib.contextmanager
     def guarded(self) -> Iterator[None]:
         """The engine's lock, held for one operation; on an error, the finished frames under

@@ -198,7 +198,11 @@ class Llama:
         np.ctypeslib.as_array(self.batch.n_seq_id, shape=(n_batch,))[:] = 1
         self._seq_rows = [self.batch.seq_id[i] for i in range(n_batch)]
         self.vocab_size = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model))
-        weakref.finalize(self, _free_llama, self.model, self.ctx, self.batch)
+        self._free = weakref.finalize(self, _free_llama, self.model, self.ctx, self.batch)
+
+    def close(self) -> None:
+        """Free the model, its context and its batch now (once; nothing may use them after)."""
+        self._free()
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(256)

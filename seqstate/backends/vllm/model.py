@@ -85,10 +85,6 @@ class VllmModel(BaseModel):
         """The served model's EOS ids, as the server's plugin has them (`served_eos`)."""
         return frozenset(served_eos(self.hf_tokenizer, self.folder))
 
-    def close(self) -> None:
-        """Close the connection pool (the server keeps running)."""
-        self.backend.close()
-
 
 def _served(client: Client, model: str | None) -> dict[str, Any]:
     """The ``/v1/models`` entry of the model to use: ``model``, or the only one served."""

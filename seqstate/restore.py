@@ -1,0 +1,63 @@
+"""``ss.loads``: a saved state (``state.dumps()``, or a pickled state) as a state of a model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from seqstate.conversation import Conversation
+from seqstate.errors import ArgumentError, ModelMismatch
+from seqstate.persist import SavedState, decode_rows, read, tokenizer_id
+from seqstate.state import SequenceState
+
+__all__ = ["loads", "SavedState"]
+
+
+def loads(model: Any, data: bytes | SavedState, *, types: Iterable[type] = ()) -> SequenceState:
+    """The state ``state.dumps()`` saved, on ``model``.
+
+    It continues exactly as the saved state would have: a call on it gives the same greedy
+    tokens, and ``gen.resume(state)`` resumes its last call, the constraint's cursor
+    recreated by replaying the call's tokens.  Its KV is not in ``data``: it is computed
+    once, when first needed, from the tokens (or found stored).  Reading runs no code named
+    in the data.
+
+    A state travels through ``pickle`` too: ``pickle.loads`` gives a `SavedState` (a model
+    does not travel in a pickle), which this function binds to ``model``.
+
+    Parameters
+    ----------
+    model
+        A model with the tokenizer the state was saved under (any engine).
+    data : bytes or SavedState
+        What ``state.dumps()`` returned, or what ``pickle.loads`` gave for a pickled state.
+    types : iterable of classes, optional
+        Pydantic models and enums to rebuild values of: a value saved from one of these
+        classes is re-validated into it; other such values stay their JSON (a dict).
+
+    Raises
+    ------
+    ModelMismatch
+        ``model`` has another tokenizer than the one the state was saved under.
+    StateFormatError
+        ``data`` is not a saved state, or one of a newer format version.
+
+    Examples
+    --------
+    >>> import pickle
+    >>> import seqstate as ss
+    >>> model = ss.models.testing.tiny()
+    >>> s = ss.text(model)("Once upon a time", max_tokens=4)
+    >>> ss.loads(model, pickle.loads(pickle.dumps(s))).texts == s.texts
+    True
+    """
+    doc = read(data)
+    if not hasattr(model, "vocab"):
+        raise ArgumentError(f"ss.loads(model, data) takes the model first, got "
+                            f"{type(model).__name__}")
+    if doc["tokenizer"] != tokenizer_id(model.vocab):
+        raise ModelMismatch(f"this state was saved under another tokenizer (model "
+                            f"{doc.get('model')!r}) than {model.name!r} has; load it on a model "
+                            "with the same tokenizer")
+    rows, batch, samples = decode_rows(doc, Conversation, types)
+    return SequenceState(model, tuple(rows), batch, samples)
