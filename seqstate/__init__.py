@@ -17,8 +17,8 @@ from seqstate.generation import (Generator, cfg, choice, continuous, final_state
 from seqstate.sampling import beam_search, greedy, multinomial
 from seqstate.scores import Scores
 from seqstate.persist import SavedState
-from seqstate.restore import loads
-from seqstate.state import SequenceState, from_tokens
+from seqstate.restore import from_tokens, loads
+from seqstate.state import SequenceState
 
 __all__ = [
     "SequenceState", "from_tokens", "loads", "SavedState", "Scores", "Generator", "text", "choice", "regex", "json", "cfg",

@@ -1,16 +1,20 @@
-"""``ss.loads``: a saved state (``state.dumps()``, or a pickled state) as a state of a model."""
+"""States made from data from outside the process: ``ss.loads`` (a saved state, ``state.dumps()``
+or a pickled one, as a state of a model) and ``ss.from_tokens`` (token ids)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import operator
+import reprlib
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from seqstate.conversation import Conversation
 from seqstate.errors import ArgumentError, ModelMismatch
 from seqstate.persist import SavedState, decode_rows, read, tokenizer_id
+from seqstate.rows import Row
 from seqstate.state import SequenceState
 
-__all__ = ["loads", "SavedState"]
+__all__ = ["loads", "SavedState", "from_tokens"]
 
 
 def loads(model: Any, data: bytes | SavedState, *, types: Iterable[type] = ()) -> SequenceState:
@@ -61,3 +65,32 @@ def loads(model: Any, data: bytes | SavedState, *, types: Iterable[type] = ()) -
                             "with the same tokenizer")
     rows, batch, samples = decode_rows(doc, Conversation, types)
     return SequenceState(model, tuple(rows), batch, samples)
+
+
+def from_tokens(model: Any, token_ids: Sequence[Sequence[int]]) -> SequenceState:
+    """A ``(len(token_ids), 1)`` state of the given token ids; stored KV is found when generating.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> model = ss.models.testing.tiny()
+    >>> ss.from_tokens(model, [[1, 2, 3], [4]]).shape
+    (2, 1)
+    """
+    try:
+        # operator.index takes ints, numpy ints and integer tensors; floats and str are refused
+        rows_ids = [tuple(operator.index(t) for t in ids) for ids in token_ids]
+    except TypeError:
+        rows_ids = None
+    if not rows_ids:
+        raise ArgumentError(f"from_tokens takes one list of int token ids per batch item, at "
+                            f"least one (an empty prompt is [[]]), got {reprlib.repr(token_ids)}")
+    size = model.vocab.size
+    rows = []
+    for ids in rows_ids:
+        bad = [t for t in ids if not 0 <= t < size]
+        if bad:
+            raise ArgumentError(f"token ids {bad[:5]} are outside the vocabulary (0..{size - 1}) "
+                                f"of {model.name}; were they made by another tokenizer?")
+        rows.append(Row.plain(ids))
+    return SequenceState(model, tuple(rows), len(rows), 1)

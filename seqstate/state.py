@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import operator
-import reprlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +14,7 @@ from seqstate.errors import ArgumentError, BatchMismatch, ModelMismatch, Slicing
 from seqstate.indexing import is_prefix, normalize, token_positions
 from seqstate.rows import Chat, Row, Span, not_a_conversation
 
-__all__ = ["SequenceState", "Row", "Span", "Axis", "TokenAxis", "Captures", "from_tokens"]
+__all__ = ["SequenceState", "Row", "Span", "Axis", "TokenAxis", "Captures"]
 
 
 def _nested(flat: list, batch: int, samples: int) -> list[list]:
@@ -423,32 +421,3 @@ def _joined(left: Row, right: Row, vocab: Any) -> Row:
     if lead:
         right = right.select(range(lead, len(right.tokens)), keep_kv=False)
     return left.extended(right.tokens, right.logprobs, right.cursors, right.spans)
-
-
-def from_tokens(model: Any, token_ids: Sequence[Sequence[int]]) -> SequenceState:
-    """A ``(len(token_ids), 1)`` state of the given token ids; stored KV is found when generating.
-
-    Examples
-    --------
-    >>> import seqstate as ss
-    >>> model = ss.models.testing.tiny()
-    >>> ss.from_tokens(model, [[1, 2, 3], [4]]).shape
-    (2, 1)
-    """
-    try:
-        # operator.index takes ints, numpy ints and integer tensors; floats and str are refused
-        rows_ids = [tuple(operator.index(t) for t in ids) for ids in token_ids]
-    except TypeError:
-        rows_ids = None
-    if not rows_ids:
-        raise ArgumentError(f"from_tokens takes one list of int token ids per batch item, at "
-                            f"least one (an empty prompt is [[]]), got {reprlib.repr(token_ids)}")
-    size = model.vocab.size
-    rows = []
-    for ids in rows_ids:
-        bad = [t for t in ids if not 0 <= t < size]
-        if bad:
-            raise ArgumentError(f"token ids {bad[:5]} are outside the vocabulary (0..{size - 1}) "
-                                f"of {model.name}; were they made by another tokenizer?")
-        rows.append(Row.plain(ids))
-    return SequenceState(model, tuple(rows), len(rows), 1)

@@ -10,6 +10,8 @@ these exact signatures.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -82,6 +84,16 @@ class Runner(Protocol):
         ...
 
 
+def _refusing(method: Callable) -> Callable:
+    """``method`` of a closed model's runner: its signature, and `ModelClosed` at once."""
+
+    @functools.wraps(method)
+    def refuse(self: ClosedRunner, *args: Any, **kwargs: Any) -> Any:
+        raise ModelClosed(f"model {self.name!r} was closed (model.close()); load it again to "
+                          "run more calls")
+    return refuse
+
+
 class ClosedRunner:
     """The runner of a closed model (``model.close()``): every call raises `ModelClosed`,
     before any compute."""
@@ -89,11 +101,12 @@ class ClosedRunner:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise ModelClosed(f"model {self.name!r} was closed (model.close()); load it again to "
-                          "run more calls")
-
-    run = generate = beam = score = next_logprobs = stored = _refuse
+    run = _refusing(Runner.run)
+    generate = _refusing(Runner.generate)
+    beam = _refusing(Runner.beam)
+    score = _refusing(Runner.score)
+    next_logprobs = _refusing(Runner.next_logprobs)
+    stored = _refusing(Runner.stored)
 
     def close(self) -> None:
         """Nothing left to close."""
