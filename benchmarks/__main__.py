@@ -15,14 +15,15 @@ import torch  # noqa: E402
 import seqstate as ss  # noqa: E402
 from benchmarks import (batch, beam, engine, engines, first_calls, hooks,  # noqa: E402
                         json_schemas, kept, overhead, programs, scoring, service,
-                        speculation, vllm)
+                        speculation, vllm, vllm_pool)
 
 SUITES = {"engine": engine.main, "programs": programs.main, "hooks": hooks.main,
           "beam": beam.main, "batch": batch.main, "json": json_schemas.main,
           "engines": engines.main, "speculation": speculation.main,
           "first_calls": first_calls.main, "scoring": scoring.main,
           "variants": scoring.variants_main, "vllm": vllm.main, "kept": kept.main,
-          "overhead": overhead.main, "service": service.main}
+          "overhead": overhead.main, "service": service.main,
+          "pool": vllm_pool.main}
 
 
 def main(argv: list[str]) -> None:
