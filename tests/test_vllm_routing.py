@@ -7,8 +7,10 @@ import random
 
 import pytest
 
+import seqstate as ss
 from seqstate.backends.vllm import metrics
-from seqstate.backends.vllm.pool import PROBE_AFTER, Health
+from seqstate.backends.vllm.client import ServerDown
+from seqstate.backends.vllm.pool import PROBE_AFTER, Health, Pool, Replica
 from seqstate.backends.vllm.routing import Lineage, Router, block_hashes, rendezvous
 
 IDLE = {0: 0, 1: 0, 2: 0}
@@ -127,3 +129,55 @@ def test_metrics_name_the_engines_the_block_size_and_the_cache_counters():
     assert metrics.total(samples, "vllm:prefix_cache_hits") == 512.0
     assert (metrics.engines(samples), metrics.block_size(samples)) == (2, 32)
     assert (metrics.engines([]), metrics.block_size([])) == (1, None)
+
+
+class _Client:
+    """A stand-in for `Client` where only its ``/health`` matters (`Pool` asks no more)."""
+
+    def __init__(self, url: str, alive: bool = True) -> None:
+        self.url, self.up = url, alive
+
+    def alive(self) -> bool:
+        return self.up
+
+    def close(self) -> None:
+        pass
+
+
+def _pool(n: int = 3) -> Pool:
+    return Pool([Replica(_Client(f"http://10.0.0.{i}:8000")) for i in range(n)], block=16)
+
+
+def test_a_pool_hands_out_the_next_replica_after_each_failure_then_raises():
+    pool = _pool()
+    tokens = _tokens(5, 64)
+    attempts = pool.attempts(tokens)
+    tried = []
+    with pytest.raises(ss.EngineError, match="no replica of the pool") as raised:
+        for replica in attempts:
+            tried.append(replica)
+            assert replica.load == 1 and sum(r.load for r in pool.replicas) == 1
+            replica.client.up = False
+            pool.failed(replica, ServerDown("connection refused"))
+    assert len(set(map(id, tried))) == 3 and "connection refused" in str(raised.value)
+    assert [r.health for r in pool.info()] == ["down"] * 3 and all(
+        r.load == 0 for r in pool.replicas)
+    pool.replicas[1].client.up = True               # back: the next request probes and finds it
+    attempts = pool.attempts(tokens)
+    assert next(attempts) is pool.replicas[1]
+    attempts.close()
+    assert [r.health for r in pool.info()] == ["down", "up", "down"]
+
+
+def test_a_5xx_from_a_replica_whose_health_answers_is_the_requests_own_error():
+    pool = _pool(2)
+    attempts = pool.attempts(_tokens(6, 64))
+    replica = next(attempts)
+    error = ServerDown("refused the request (500): bad input", answered=True)
+    with pytest.raises(ServerDown, match="bad input"):
+        pool.failed(replica, error)
+    attempts.close()
+    assert [r.health for r in pool.info()] == ["up", "up"]
+    replica.client.up = False                        # the same answer, /health silent: down
+    pool.failed(replica, error)
+    assert sorted(r.health for r in pool.info()) == ["down", "up"]

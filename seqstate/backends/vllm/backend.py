@@ -26,6 +26,7 @@ import torch
 from seqstate.backends.base import Capabilities, RequestBackend, Scored, Token, WorkCounters
 from seqstate.backends.vllm.client import Client, ServerDown
 from seqstate.backends.vllm.pool import Pool, Replica
+from seqstate.backends.vllm.routing import BLOCK
 from seqstate.backends.vllm.wire import BOUND, FAILED, PENDING, SIGNAL_KINDS, SIGNALS, vllm_xargs
 from seqstate.constraints import spec as keys
 from seqstate.errors import ArgumentError, CapabilityError, ConstraintError, EngineError
@@ -135,7 +136,7 @@ class VllmBackend(RequestBackend):
 
     def __init__(self, pool: Pool | Client, served: str, vocab_size: int, fingerprint: str,
                  context_length: int, signals: Sequence[int] = ()) -> None:
-        self.pool = pool if isinstance(pool, Pool) else Pool([Replica(pool)], block=1)
+        self.pool = pool if isinstance(pool, Pool) else Pool([Replica(pool)], block=BLOCK)
         self.signals = list(signals)
         self.served = served
         self.vocab_size = vocab_size

@@ -154,8 +154,10 @@ class Pool:
             if not loads:
                 raise EngineError(self._none_left(errors))
             with self._lock:
-                index = self.router.route(tokens, loads)
-                self.router.record(tokens, index)
+                index = next(iter(loads))
+                if len(self.replicas) > 1:            # one server: nothing to choose
+                    index = self.router.route(tokens, loads)
+                    self.router.record(tokens, index)
                 replica = self.replicas[index]
                 replica.load += 1
             tried.add(index)
@@ -201,7 +203,8 @@ class Pool:
         with self._lock:
             replica.served += 1
             replica.health.succeed()
-            self.router.record(tokens, self.replicas.index(replica))
+            if len(self.replicas) > 1:
+                self.router.record(tokens, self.replicas.index(replica))
 
     def info(self) -> list[ReplicaInfo]:
         self.rejoin_due()
