@@ -120,8 +120,7 @@ def test_a_replica_killed_mid_stream_loses_no_call_and_no_greedy_token(vllm, poo
         results = [final] + [r.result(timeout=120) for r in running]
     assert first and [s.token_ids for s in results] == expected
     assert [r.health for r in pool.replicas] == ["up", "down"]
-    assert ss.text(pool)(prompts[0], max_tokens=2).token_ids[0][0][-2:] == expected[0][0][0][
-        len(pool.encode_prompt(prompts[0])):][:2]
+    assert ss.text(pool)(prompts[0], max_tokens=40).token_ids == expected[0]   # on the first
 
 
 class _Relay:
