@@ -41,6 +41,7 @@ PREFIX_TOKENS = 400
 KV_GIB = 0.06
 MAX_MODEL_LEN = 1024
 SERVERS = 3
+START_SECONDS = 1800.0   # three servers starting at once on a busy CPU
 WORDS = ("river stone lantern orchard copper meadow harbor thistle quarry ember willow "
          "falcon glacier saddle velvet marble cinder hollow pewter tundra").split()
 OPTIONS = [" yes", " no", " unsure"]
@@ -132,11 +133,11 @@ def measured(name, model, urls, http, docs, kill=None):
 
 def main(model=None) -> None:
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"          # /reset_prefix_cache between modes
-    servers = []
+    servers = [Server(kv_cache_gib=KV_GIB, max_model_len=MAX_MODEL_LEN,
+                      log=open(f"/tmp/seqstate-bench-pool-{i}.log", "w")) for i in range(SERVERS)]
     try:
-        for i in range(SERVERS):
-            servers.append(Server(kv_cache_gib=KV_GIB, max_model_len=MAX_MODEL_LEN,
-                                  log=open(f"/tmp/seqstate-bench-pool-{i}.log", "w")).start())
+        with ThreadPoolExecutor(SERVERS) as starting:         # started side by side
+            list(starting.map(lambda s: s.start(START_SECONDS), servers))
         urls = [s.url for s in servers]
         http = urllib3.PoolManager(maxsize=8)
         one = ss.models.vllm(urls[0])
