@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import seqstate as ss  # noqa: E402
 from benchmarks import (activations, batch, beam, engine, engines,  # noqa: E402
                         first_calls, hooks, json_schemas, kept, overhead, programs, scoring,
-                        service, speculation, vllm)
+                        service, speculation, vllm, vllm_pool)
 
 SUITES = {"engine": engine.main, "programs": programs.main, "hooks": hooks.main,
           "beam": beam.main, "batch": batch.main, "json": json_schemas.main,
@@ -23,7 +23,7 @@ SUITES = {"engine": engine.main, "programs": programs.main, "hooks": hooks.main,
           "first_calls": first_calls.main, "scoring": scoring.main,
           "variants": scoring.variants_main, "vllm": vllm.main, "kept": kept.main,
           "overhead": overhead.main, "service": service.main,
-          "activations": activations.main}
+          "activations": activations.main, "pool": vllm_pool.main}
 
 
 def main(argv: list[str]) -> None:

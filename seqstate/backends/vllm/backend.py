@@ -24,7 +24,9 @@ from typing import Any
 import torch
 
 from seqstate.backends.base import Capabilities, RequestBackend, Scored, Token, WorkCounters
-from seqstate.backends.vllm.client import Client
+from seqstate.backends.vllm.client import Client, ServerDown
+from seqstate.backends.vllm.pool import Pool, Replica
+from seqstate.backends.vllm.routing import BLOCK
 from seqstate.backends.vllm.wire import BOUND, FAILED, PENDING, SIGNAL_KINDS, SIGNALS, vllm_xargs
 from seqstate.constraints import spec as keys
 from seqstate.errors import ArgumentError, CapabilityError, ConstraintError, EngineError
@@ -105,12 +107,17 @@ def sampling_of(sampler: Sampler) -> dict[str, Any]:
 
 
 class VllmBackend(RequestBackend):
-    """Requests to one vLLM server that runs seqstate's plugin.
+    """Requests to vLLM servers that run seqstate's plugin: one, or a pool of replicas.
+
+    Each request goes where `Pool` routes its tokens.  A replica that fails as a server
+    mid-request (`ServerDown`) is left, and the request is sent again to the next: tokens
+    already streamed are not streamed twice, and must come back the same (greedy requests
+    and seeded samples do), else the call fails with `EngineError`.
 
     Parameters
     ----------
-    client : Client
-        The connection pool to the server.
+    pool : Pool or Client
+        The replicas (a `Client`: one server).
     served : str
         The model name the server answers to.
     vocab_size : int
@@ -127,9 +134,9 @@ class VllmBackend(RequestBackend):
     capabilities = Capabilities(name="vllm", full_logits=False, prefix_sharing=True,
                                 batching=True, exact=False)
 
-    def __init__(self, client: Client, served: str, vocab_size: int, fingerprint: str,
+    def __init__(self, pool: Pool | Client, served: str, vocab_size: int, fingerprint: str,
                  context_length: int, signals: Sequence[int] = ()) -> None:
-        self.client = client
+        self.pool = pool if isinstance(pool, Pool) else Pool([Replica(pool)], block=BLOCK)
         self.signals = list(signals)
         self.served = served
         self.vocab_size = vocab_size
@@ -169,22 +176,67 @@ class VllmBackend(RequestBackend):
                 signals = dict(zip(self.signals, SIGNAL_KINDS))
             body["vllm_xargs"] = vllm_xargs(self.fingerprint, spec)
         wait = PENDING_WAIT[0]
+        sent: dict[int, list[int | None]] = {}       # choice -> the tokens already yielded
         while True:
-            pending = yield from self._stream(body, n, top, signals)
+            pending = yield from self._stream(body, n, top, signals, sent)
             if not pending:
                 return
             time.sleep(wait)             # the constraint is being built on the server
             wait = min(2 * wait, PENDING_WAIT[1])
 
-    def _stream(self, body: dict[str, Any], n: int, top: int, signals: dict[int, str]):
-        """One streamed request's tokens; returns True, having yielded none, where the
-        server ended it because its constraint is still being built (send it again).  Until
-        every choice has its first token they are held back, so a choice that is pending
-        never follows one that streamed.  `ConstraintError` where the plugin signals that
-        the constraint failed to build, went over a bound, or failed mid-way."""
+    @property
+    def client(self) -> Client:
+        """The first replica's connection pool."""
+        return self.pool.client
+
+    def _stream(self, body: dict[str, Any], n: int, top: int, signals: dict[int, str],
+                sent: dict[int, list[int | None]]):
+        """One streamed request's tokens, from replica after replica while they fail as
+        servers (`Pool.attempts`); returns True, having yielded nothing new, where the
+        server ended it because its constraint is still being built (send it again)."""
+        attempts = self.pool.attempts(body["prompt"])
+        try:
+            for replica in attempts:
+                try:
+                    pending = yield from self._attempt(replica, body, n, top, signals, sent)
+                except ServerDown as exc:
+                    self.pool.failed(replica, exc)
+                    continue
+                rows = sent.values() if sent else [[]]
+                for row in rows:
+                    self.pool.served(replica, [*body["prompt"], *(t for t in row if t is not None)])
+                return pending
+        finally:
+            attempts.close()
+        return False                                       # unreachable: attempts raises
+
+    def _attempt(self, replica: Replica, body: dict[str, Any], n: int, top: int,
+                 signals: dict[int, str], sent: dict[int, list[int | None]]):
+        """One streamed request to ``replica``.  Until every choice has its first token they
+        are held back, so a choice that is pending never follows one that streamed.  Tokens
+        of a choice up to ``len(sent[choice])`` were yielded by a replica that failed: they
+        are checked, not yielded again.  `ConstraintError` where the plugin signals that the
+        constraint failed to build, went over a bound, or failed mid-way."""
         held: list[Token] | None = [] if signals else None
         started: set[int] = set()
-        with contextlib.closing(self.client.stream("/v1/completions", body)) as events:
+        seen: dict[int, int] = {}
+
+        def fresh(tokens: list[Token]) -> Iterator[Token]:
+            for t in tokens:
+                k = seen.get(t.index, 0)
+                seen[t.index] = k + 1
+                done = sent.setdefault(t.index, [])
+                if k < len(done):
+                    if done[k] != t.token:
+                        raise EngineError(
+                            f"a vLLM replica failed mid-request and {replica.name}, sent it "
+                            f"again, answered differently at token {k} ({t.token} instead "
+                            f"of {done[k]}): a sampled call is repeatable only with a seed")
+                    continue
+                done.append(t.token)
+                yield t
+
+        with contextlib.closing(replica.stream("/v1/completions", body)) as events:
             for event in events:
                 if event.get("usage"):
                     self._count_usage(event["usage"])
@@ -196,14 +248,14 @@ class VllmBackend(RequestBackend):
                         raise ConstraintError(_SIGNALLED.get(kind, _BROKE))
                     tokens = list(_tokens(choice, top))
                     if held is None:
-                        yield from tokens
+                        yield from fresh(tokens)
                     elif tokens:
                         held += tokens
                         started.add(choice.get("index", 0))
                 if held is not None and len(started) >= n:
-                    yield from held
+                    yield from fresh(held)
                     held = None
-            yield from held or ()
+            yield from fresh(held or [])
         return False
 
     def top(self, tokens: Sequence[int], k: int,
@@ -249,7 +301,18 @@ class VllmBackend(RequestBackend):
         body = {"model": self.served, "prompt": list(tokens), "max_tokens": 1,
                 "temperature": 0.0, "return_tokens_as_token_ids": True,
                 "logprobs": logprobs.pop("logprobs", 1), **logprobs}
-        answer = self.client.post("/v1/completions", body)
+        attempts = self.pool.attempts(body["prompt"])
+        try:
+            for replica in attempts:
+                try:
+                    answer = replica.post("/v1/completions", body)
+                except ServerDown as exc:
+                    self.pool.failed(replica, exc)
+                    continue
+                self.pool.served(replica, body["prompt"])
+                break
+        finally:
+            attempts.close()
         if answer.get("usage"):
             self._count_usage(answer["usage"])
         tops = ((answer.get("choices") or [{}])[0].get("logprobs") or {}).get("top_logprobs")
@@ -294,7 +357,7 @@ class VllmBackend(RequestBackend):
         return Scored(tuple(t.logprob for t in got), tuple(t.argmax for t in got))
 
     def close(self) -> None:
-        self.client.close()
+        self.pool.close()
 
 
 def _within(value: float, low: float, high: float, with_low: bool, with_high: bool) -> bool:

@@ -20,9 +20,22 @@ from urllib3.exceptions import HTTPError, SSLError
 from seqstate.errors import (ArgumentError, AuthenticationError, ConstraintError,
                              ContextOverflowError, EngineError, ModelMismatch, ModelNotAvailable)
 
-__all__ = ["Client", "POOL_SIZE"]
+__all__ = ["Client", "ServerDown", "POOL_SIZE", "PROBE_TIMEOUT"]
 
 POOL_SIZE = 64           # kept-alive connections: concurrent requests beyond it open new ones
+PROBE_TIMEOUT = 2.0      # seconds a ``/health`` probe waits
+
+
+class ServerDown(EngineError):
+    """The server failed as a server, not as a judge of the request: it refused the
+    connection, reset it, cut a stream, or answered 5xx (``answered``: it spoke, so a pool
+    asks its ``/health`` before calling it down).  A pool of replicas re-sends the request
+    elsewhere (`seqstate.backends.vllm.pool`); with nowhere to send it, the caller sees
+    an `EngineError`."""
+
+    def __init__(self, message: str, answered: bool = False) -> None:
+        super().__init__(message)
+        self.answered = answered
 
 
 class Client:
@@ -57,13 +70,29 @@ class Client:
     def get(self, path: str) -> Any:
         return self._json(self._send("GET", path, None))
 
-    def post(self, path: str, body: dict[str, Any]) -> Any:
-        return self._json(self._send("POST", path, body))
+    def text(self, path: str) -> str:
+        """A GET's body as text (``/metrics``)."""
+        return self._send("GET", path, None).data.decode(errors="replace")
 
-    def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def alive(self) -> bool:
+        """Whether ``/health`` answers 200 within `PROBE_TIMEOUT` seconds."""
+        try:
+            response = self.pool.request("GET", self.url + "/health", headers=self.headers,
+                                         timeout=urllib3.Timeout(total=PROBE_TIMEOUT))
+        except HTTPError:
+            return False
+        return response.status == 200
+
+    def post(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+        return self._json(self._send("POST", path, body, headers=headers))
+
+    def stream(self, path: str, body: dict[str, Any],
+               headers: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
         """The server-sent events of a streamed request, as parsed JSON objects.  Closing
-        the iterator early closes the connection, which makes vLLM abort the request."""
-        response = self._send("POST", path, {**body, "stream": True}, stream=True)
+        the iterator early closes the connection, which makes vLLM abort the request.
+        ``headers`` go with this request only (``X-data-parallel-rank``)."""
+        response = self._send("POST", path, {**body, "stream": True}, stream=True,
+                              headers=headers)
         with self._lock:
             self._open.add(response)
         try:
@@ -76,10 +105,10 @@ class Client:
                 try:
                     event = json.loads(data)
                 except ValueError as exc:         # a connection cut mid-event
-                    raise EngineError(f"the vLLM server at {self.url} sent a broken event "
-                                      f"({data[:80]!r}): did it stop mid-request?") from exc
+                    raise ServerDown(f"the vLLM server at {self.url} sent a broken event "
+                                     f"({data[:80]!r}): did it stop mid-request?") from exc
                 if "error" in event:
-                    raise _error(event["error"].get("code", 500), event["error"])
+                    raise _error(event["error"].get("code", 500), event["error"], self.url)
                 yield event
         finally:
             with self._lock:
@@ -92,22 +121,24 @@ class Client:
         try:
             yield from response
         except HTTPError as exc:
-            raise EngineError(f"the vLLM server at {self.url} dropped the connection "
-                              f"mid-request: {exc}") from exc
+            raise ServerDown(f"the vLLM server at {self.url} dropped the connection "
+                             f"mid-request: {exc}") from exc
 
-    def _send(self, method: str, path: str, body: dict[str, Any] | None, stream: bool = False):
+    def _send(self, method: str, path: str, body: dict[str, Any] | None, stream: bool = False,
+              headers: dict[str, str] | None = None):
         data = None if body is None else json.dumps(body).encode()
         try:
             response = self.pool.request(method, self.url + path, body=data,
-                                         headers=self.headers, preload_content=not stream)
+                                         headers={**self.headers, **(headers or {})},
+                                         preload_content=not stream)
         except SSLError as exc:
             raise EngineError(f"the TLS handshake with {self.url} failed ({exc}): where the "
                               "server's certificate is self-signed or from a private "
                               "authority, pass ca_certs= its PEM file (or set $SSL_CERT_FILE); "
                               "an http:// server takes an http:// URL") from exc
         except HTTPError as exc:
-            raise EngineError(f"the vLLM server at {self.url} did not answer ({exc}); start one "
-                              "with `python -m seqstate.vllm serve`") from exc
+            raise ServerDown(f"the vLLM server at {self.url} did not answer ({exc}); start one "
+                             "with `python -m seqstate.vllm serve`") from exc
         if response.status in (401, 403):
             response.release_conn()
             raise self._refused(response.status)
@@ -120,7 +151,7 @@ class Client:
                 error = {"message": payload[:500].decode(errors="replace")}
             if isinstance(error, str):
                 error = {"message": error}
-            raise _error(response.status, error)
+            raise _error(response.status, error, self.url)
         return response
 
     def _json(self, response) -> Any:
@@ -147,12 +178,13 @@ class Client:
         self.pool.clear()
 
 
-def _error(status: int, error: dict[str, Any]) -> Exception:
+def _error(status: int, error: dict[str, Any], url: str = "") -> Exception:
     """The typed error for an HTTP error answer (vLLM's ``{"error": {"message", ...}}``):
     `ModelMismatch`, `ConstraintError` (a spec the plugin refused at admission),
-    `ContextOverflowError`, `ModelNotAvailable`, `ArgumentError` or `EngineError`."""
+    `ContextOverflowError`, `ModelNotAvailable`, `ArgumentError`, `ServerDown` (5xx) or
+    `EngineError`."""
     message = str(error.get("message", error))
-    text = f"the vLLM server refused the request ({status}): {message}"
+    text = f"the vLLM server {url + ' ' if url else ''}refused the request ({status}): {message}"
     lowered = message.lower()
     if "vocabulary mismatch" in lowered:
         return ModelMismatch(text)
@@ -164,4 +196,6 @@ def _error(status: int, error: dict[str, Any]) -> Exception:
         return ModelNotAvailable(text)
     if status == 400 or status == 422:
         return ArgumentError(text)
+    if status >= 500:
+        return ServerDown(text, answered=True)
     return EngineError(text)

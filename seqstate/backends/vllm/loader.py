@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from seqstate.backends.vllm.model import VllmModel
@@ -10,9 +11,10 @@ from seqstate.backends.vllm.model import VllmModel
 __all__ = ["vllm"]
 
 
-def vllm(url: str, *, model: str | None = None, tokenizer: Any = None,
+def vllm(url: str | Sequence[str], *, model: str | None = None, tokenizer: Any = None,
          timeout: float = 600.0, name: str | None = None, api_key: str | None = None,
-         ca_certs: str | os.PathLike | None = None) -> VllmModel:
+         ca_certs: str | os.PathLike | None = None, data_parallel_size: int | None = None,
+         spill: int | None = None) -> VllmModel:
     """A model on a vLLM server running seqstate's plugin (start one on loopback with
     ``python -m seqstate.vllm serve``): the ``"vllm"`` engine.
 
@@ -24,6 +26,14 @@ def vllm(url: str, *, model: str | None = None, tokenizer: Any = None,
     file, such as a proxy's self-signed certificate).  Features that need the whole
     distribution at every position (custom samplers, ``model.full_logits``) are refused with
     `seqstate.CapabilityError` before any request; hooks see ``event.logits`` as None.
+
+    A list of URLs is one model over a pool of replicas of the same weights (each with the
+    same ``api_key``, ``tokenizer`` and ``ca_certs``): requests go where their prefix is
+    cached, a failed replica's requests are sent again to another with the same results, and
+    `seqstate.EngineError` comes only when no replica can serve.  ``model.replicas``
+    reports each one.  ``data_parallel_size`` pins each lineage to one engine of a server
+    started with vLLM's ``--data-parallel-size`` (None: read from the server); ``spill`` is
+    the pool's load threshold for new roots (`VllmModel`).
     """
     return VllmModel(url, tokenizer, model=model, timeout=timeout, name=name, api_key=api_key,
-                     ca_certs=ca_certs)
+                     ca_certs=ca_certs, data_parallel_size=data_parallel_size, spill=spill)

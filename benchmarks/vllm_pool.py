@@ -1,0 +1,169 @@
+"""A pool of vLLM replicas (``ss.models.vllm([...])``) against a round-robin spread and one
+server: prefix-cache hit rates and times, then a replica killed mid-run.
+
+Three fp32 CPU servers with small KV caches (`KV_GIB` each: a few of the long prefixes fit
+on one server at once, all of them fit on the three) run `PROGRAMS` programs over `PREFIXES`
+long shared prefixes, `CONCURRENT` at a time.  Each program: a text call after its prefix
+and question, a continuation, a fork (two seeded samples) and a choice.  Every mode runs the
+same programs, each server's prefix cache emptied first (vLLM's ``/reset_prefix_cache``,
+served in its dev mode); hit rates are the servers' own ``/metrics`` counters
+(``vllm:prefix_cache_hits`` over ``vllm:prefix_cache_queries``, in tokens):
+
+- ``one server``: every request to the first server;
+- ``round robin``: each request to the next server in turn (an L7 balancer without
+  affinity);
+- ``pool``: seqstate's routing by lineage;
+- ``pool, one killed``: the pool again, the third server killed (SIGKILL) once a third of the
+  programs are done; every program must finish with the one-server run's tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import urllib3
+
+import seqstate as ss
+from seqstate.backends.vllm import metrics
+from seqstate.backends.vllm.routing import Router
+from seqstate.vllm import Server
+
+PREFIXES = 6
+PER_PREFIX = 6
+PROGRAMS = PREFIXES * PER_PREFIX
+CONCURRENT = 12
+PREFIX_TOKENS = 400
+KV_GIB = 0.06
+MAX_MODEL_LEN = 1024
+SERVERS = 3
+START_SECONDS = 1800.0   # three servers starting at once on a busy CPU
+WORDS = ("river stone lantern orchard copper meadow harbor thistle quarry ember willow "
+         "falcon glacier saddle velvet marble cinder hollow pewter tundra").split()
+OPTIONS = [" yes", " no", " unsure"]
+
+
+class RoundRobin(Router):
+    """Each request to the next replica in turn, whatever its tokens (no affinity)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._next = 0
+        self._turn = threading.Lock()
+
+    def route(self, tokens, loads) -> int:
+        with self._turn:
+            order = sorted(loads)
+            self._next += 1
+            return order[self._next % len(order)]
+
+
+def prefixes(model) -> list[list[int]]:
+    """`PREFIXES` distinct documents of `PREFIX_TOKENS` tokens each (seeded)."""
+    out = []
+    for i in range(PREFIXES):
+        rng = random.Random(i)
+        text = f"Document {i}. " + " ".join(rng.choice(WORDS) for _ in range(PREFIX_TOKENS))
+        out.append(model.encode(text)[:PREFIX_TOKENS])
+    return out
+
+
+def program(model, prefix: list[int], k: int):
+    """One program: a text call, a continuation, a fork and a choice; its final tokens."""
+    gen = ss.text(model)
+    s = ss.from_tokens(model, [prefix]) + f"\nQuestion {k}: what comes next?\nAnswer:"
+    s = gen(s, max_tokens=12)
+    s = gen(s + " Because", max_tokens=8)
+    forks = gen(s + " Also", num_samples=2, max_tokens=6, sampler=ss.multinomial(), seed=k)
+    choice = ss.choice(model, OPTIONS)(s + "\nIs that right?")
+    return (s.token_ids, forks.token_ids, choice.value)
+
+
+def run(model, docs, kill=None) -> tuple[float, list]:
+    """Every program, `CONCURRENT` at a time: seconds and results in program order.
+    ``kill()`` is called once a third of them are done."""
+    done = [0]
+    lock = threading.Lock()
+
+    def one(i: int):
+        out = program(model, docs[i % PREFIXES], i // PREFIXES)
+        with lock:
+            done[0] += 1
+            if kill is not None and done[0] == PROGRAMS // 3:
+                kill()
+        return out
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        results = list(pool.map(one, range(PROGRAMS)))
+    return time.perf_counter() - t0, results
+
+
+def counters(http, urls) -> list[tuple[float, float]]:
+    """Each server's (queries, hits) in tokens, from its /metrics ((0, 0) if it is gone)."""
+    out = []
+    for url in urls:
+        try:
+            samples = metrics.parse(http.request("GET", url + "/metrics").data.decode())
+        except urllib3.exceptions.HTTPError:
+            out.append((0.0, 0.0))
+            continue
+        out.append((metrics.total(samples, "vllm:prefix_cache_queries"),
+                    metrics.total(samples, "vllm:prefix_cache_hits")))
+    return out
+
+
+def measured(name, model, urls, http, docs, kill=None):
+    for url in urls:
+        http.request("POST", url + "/reset_prefix_cache")
+    before = counters(http, urls)
+    seconds, results = run(model, docs, kill)
+    after = counters(http, urls)
+    per = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]
+    queries, hits = sum(q for q, _ in per), sum(h for _, h in per)
+    spread = " ".join(f"{h / q:.2f}" if q else "-" for q, h in per)
+    print(f"  {name:<18} {seconds:7.1f} s   hit rate {hits / max(1, queries):.3f}   "
+          f"({hits:.0f} of {queries:.0f} prompt tokens; per server {spread})")
+    return results
+
+
+def main(model=None) -> None:
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"          # /reset_prefix_cache between modes
+    servers = [Server(kv_cache_gib=KV_GIB, max_model_len=MAX_MODEL_LEN,
+                      log=open(f"/tmp/seqstate-bench-pool-{i}.log", "w")) for i in range(SERVERS)]
+    try:
+        with ThreadPoolExecutor(SERVERS) as starting:         # started side by side
+            list(starting.map(lambda s: s.start(START_SECONDS), servers))
+        urls = [s.url for s in servers]
+        http = urllib3.PoolManager(maxsize=8)
+        one = ss.models.vllm(urls[0])
+        docs = prefixes(one)
+        print(f"\n== {PROGRAMS} programs over {PREFIXES} prefixes of {PREFIX_TOKENS} tokens, "
+              f"{CONCURRENT} at a time; {SERVERS} CPU servers, KV cache {KV_GIB} GiB each")
+        reference = measured("one server", one, urls[:1], http, docs)
+        spread = ss.models.vllm(urls)
+        spread.backend.pool.router = RoundRobin(spread.backend.pool.router.block)
+        robin = measured("round robin", spread, urls, http, docs)
+        pool = ss.models.vllm(urls)
+        ours = measured("pool", pool, urls, http, docs)
+        survivors = ss.models.vllm(urls)
+
+        def kill():
+            os.killpg(servers[-1].process.pid, signal.SIGKILL)
+            print(f"  (killed {urls[-1]} with "
+                  f"{survivors.replicas[-1].load} requests in flight)")
+
+        failover = measured("pool, one killed", survivors, urls, http, docs, kill)
+        for name, got in (("round robin", robin), ("pool", ours),
+                          ("pool, one killed", failover)):
+            same = sum(g == r for g, r in zip(got, reference))
+            print(f"  {name}: {same}/{PROGRAMS} programs identical to the one-server run")
+        states = [(r.url, r.health, r.served) for r in survivors.replicas]
+        print(f"  replicas after the kill (url, health, requests served): {states}")
+    finally:
+        for server in servers:
+            server.stop()

@@ -1,0 +1,224 @@
+"""A pool of vLLM replicas serving the same weights, used as one server.
+
+A replica is a server URL, or one data-parallel rank behind a URL (requests carry vLLM's
+``X-data-parallel-rank`` header).  `Pool.attempts` hands a request's replicas out one at a
+time: the one `Router` picks, then, each time the caller comes back because that one failed
+as a server (`ServerDown`), the next.  A replica that failed is down (`Health`): requests
+skip it until its next probe of ``/health`` is due, and it rejoins when a probe answers.
+When every replica is down, each is probed at once; only when none answers does the call
+raise `EngineError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from seqstate.backends.vllm.client import Client, ServerDown
+from seqstate.backends.vllm.routing import Router
+from seqstate.errors import EngineError
+
+__all__ = ["Pool", "Replica", "ReplicaInfo", "Health", "RANK_HEADER", "PROBE_AFTER"]
+
+RANK_HEADER = "X-data-parallel-rank"   # vLLM's header pinning a request to one DP engine
+PROBE_AFTER = (1.0, 30.0)   # seconds before a down replica is probed: the first wait,
+                            # doubling with each failed probe up to the last
+
+
+class Health:
+    """A replica's health: up, or down until ``retry_at`` (then due a probe).
+
+    Each failure in a row doubles the wait before the next probe (`PROBE_AFTER`); a success
+    makes it up again.  ``clock`` is injectable for tests.
+
+    Examples
+    --------
+    >>> now = [0.0]
+    >>> h = Health(clock=lambda: now[0])
+    >>> h.fail("refused"); (h.up, h.due())
+    (False, False)
+    >>> now[0] = 1.0; h.due()
+    True
+    >>> h.fail("refused"); h.retry_at        # the second failure in a row waits twice as long
+    3.0
+    >>> h.succeed(); h.up
+    True
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.up = True
+        self.failures = 0
+        self.retry_at = 0.0
+        self.reason = ""
+
+    def fail(self, reason: str) -> None:
+        self.up = False
+        self.failures += 1
+        self.reason = reason
+        wait = min(PROBE_AFTER[0] * 2 ** (self.failures - 1), PROBE_AFTER[1])
+        self.retry_at = self.clock() + wait
+
+    def succeed(self) -> None:
+        self.up, self.failures, self.reason = True, 0, ""
+
+    def due(self) -> bool:
+        """Whether a down replica's next probe is due."""
+        return not self.up and self.clock() >= self.retry_at
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    """What ``model.replicas`` reports of one replica: its ``url``, its data-parallel
+    ``rank`` (None: the server's own balancing), ``health`` (``"up"`` or ``"down"``),
+    ``load`` (this client's requests in flight there), ``served`` (requests it answered)
+    and, when down, ``reason`` (the failure that put it down)."""
+
+    url: str
+    rank: int | None
+    health: str
+    load: int
+    served: int
+    reason: str = ""
+
+
+class Replica:
+    """One place to send requests: a client, and the data-parallel rank to pin (or None)."""
+
+    def __init__(self, client: Client, rank: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.client = client
+        self.rank = rank
+        self.headers = {} if rank is None else {RANK_HEADER: str(rank)}
+        self.health = Health(clock)
+        self.load = 0
+        self.served = 0
+
+    @property
+    def name(self) -> str:
+        return self.client.url if self.rank is None else f"{self.client.url}#{self.rank}"
+
+    def stream(self, path: str, body: dict) -> Iterator[dict]:
+        return self.client.stream(path, body, headers=self.headers)
+
+    def post(self, path: str, body: dict) -> dict:
+        return self.client.post(path, body, headers=self.headers)
+
+    def info(self) -> ReplicaInfo:
+        return ReplicaInfo(self.client.url, self.rank, "up" if self.health.up else "down",
+                           self.load, self.served, self.health.reason)
+
+
+class Pool:
+    """Replicas of one model, routed by lineage (`Router`), failing over (see the module).
+
+    Parameters
+    ----------
+    replicas : sequence of Replica
+        Servers (or ranks) of the same weights.
+    block : int
+        The servers' KV block size, for the router.
+    spill : int
+        The router's spill threshold (`Router`).
+    """
+
+    def __init__(self, replicas: Sequence[Replica], block: int, spill: int | None = None) -> None:
+        if not replicas:
+            raise EngineError("a pool needs at least one replica")
+        self.replicas = list(replicas)
+        names = {i: r.name for i, r in enumerate(self.replicas)}
+        self.router = (Router(block, names=names) if spill is None
+                       else Router(block, spill, names=names))
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> Client:
+        """The first replica's client (a single server's, where the pool has one)."""
+        return self.replicas[0].client
+
+    def attempts(self, tokens: Sequence[int]) -> Iterator[Replica]:
+        """The replicas to try for a request of ``tokens``, one at a time: the caller takes
+        the next only after calling `failed` on the last.  Each is counted in flight until
+        the caller takes the next or closes the iterator.  `EngineError` when none is left
+        that can serve (each down one probed first)."""
+        tried: set[int] = set()
+        errors: list[str] = []
+        while True:
+            with self._lock:
+                loads = {i: r.load for i, r in enumerate(self.replicas)
+                         if r.health.up and i not in tried}
+            if not loads:
+                loads = self._probe(tried, everyone=not errors)
+            if not loads:
+                raise EngineError(self._none_left(errors))
+            with self._lock:
+                index = next(iter(loads))
+                if len(self.replicas) > 1:            # one server: nothing to choose
+                    index = self.router.route(tokens, loads)
+                    self.router.record(tokens, index)
+                replica = self.replicas[index]
+                replica.load += 1
+            tried.add(index)
+            try:
+                yield replica
+            finally:
+                with self._lock:
+                    replica.load -= 1
+            errors.append(f"{replica.name}: {replica.health.reason or 'failed'}")
+
+    def _probe(self, tried: set[int], everyone: bool) -> dict[int, int]:
+        """Probe the down replicas not yet tried (every one when ``everyone``, else those
+        due); those that answer rejoin.  Their loads."""
+        with self._lock:
+            down = [(i, r) for i, r in enumerate(self.replicas)
+                    if i not in tried and not r.health.up and (everyone or r.health.due())]
+        loads = {}
+        for i, replica in down:
+            alive = replica.client.alive()
+            with self._lock:
+                if alive:
+                    replica.health.succeed()
+                    loads[i] = replica.load
+                else:
+                    replica.health.fail(replica.health.reason or "no answer to /health")
+        return loads
+
+    def rejoin_due(self) -> None:
+        """Probe every down replica whose probe is due; those that answer rejoin."""
+        self._probe(set(), everyone=False)
+
+    def failed(self, replica: Replica, error: ServerDown) -> None:
+        """``replica`` failed a request with ``error``.  A replica that answered 5xx but
+        whose ``/health`` answers failed this request only: the error is raised as it is.
+        Otherwise it is down, and the caller goes on to the next of `attempts`."""
+        if error.answered and replica.client.alive():
+            raise error
+        with self._lock:
+            replica.health.fail(str(error))
+
+    def served(self, replica: Replica, tokens: Sequence[int]) -> None:
+        """``replica`` answered a request; ``tokens`` (prompt and generated) live there."""
+        with self._lock:
+            replica.served += 1
+            replica.health.succeed()
+            if len(self.replicas) > 1:
+                self.router.record(tokens, self.replicas.index(replica))
+
+    def info(self) -> list[ReplicaInfo]:
+        self.rejoin_due()
+        with self._lock:
+            return [r.info() for r in self.replicas]
+
+    def _none_left(self, errors: list[str]) -> str:
+        urls = ", ".join(r.name for r in self.replicas)
+        if len(self.replicas) == 1:
+            return errors[-1].partition(": ")[2] if errors else f"{urls} is down"
+        said = "; ".join(errors) or "every replica is down and none answers /health"
+        return (f"no replica of the pool ({urls}) can serve: {said}.  Start the servers again "
+                "(`python -m seqstate.vllm serve`); a replica that answers /health rejoins")
+
+    def close(self) -> None:
+        for client in {id(r.client): r.client for r in self.replicas}.values():
+            client.close()

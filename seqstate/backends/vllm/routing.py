@@ -1,0 +1,140 @@
+"""Where a request goes in a pool of vLLM replicas: by lineage, then by load.
+
+vLLM caches KV by blocks of ``block`` tokens, each named by a hash chained over the blocks
+before it, and only whole blocks are shared.  The router names a request's prefix the same
+way (`block_hashes`: a digest per whole block, chained) and remembers which replica last
+computed each block (`Lineage`, least recently used first out).  A request goes to:
+
+1. **where its prefix lives**: the replica holding its longest remembered chain of blocks,
+   when that chain covers at least half its tokens.  A state's continuations, forks, beams,
+   scores and resumed constraints share their prefix with it, so they follow it;
+2. otherwise, as a **new root**, to the replica holding the part it shares (where it shares
+   a block), or to its **home**: the replica that `rendezvous` hashing picks for its first
+   block-aligned tokens, the same on every client and stable when a replica leaves (only the
+   roots it held move);
+3. a new root **spills** to the least-loaded replica where its choice has more than
+   ``spill`` requests in flight beyond that one's.
+
+Nothing here sends anything: `Router` is pure state, so the rules are tested without servers
+(``tests/test_vllm_pool.py``).
+
+Examples
+--------
+>>> router = Router(block=4)
+>>> first = router.route(list(range(12)), {0: 0, 1: 0, 2: 0})
+>>> router.record(list(range(12)), first)
+>>> router.route(list(range(12)) + [7, 7, 7], {0: 0, 1: 0, 2: 0}) == first   # its continuation
+True
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+
+__all__ = ["Router", "Lineage", "block_hashes", "rendezvous", "BLOCK", "SPILL",
+           "LINEAGE_BLOCKS"]
+
+BLOCK = 16               # vLLM's default block size, where a server does not say its own
+SPILL = 4                # in-flight requests a new root's replica may carry beyond the least
+LINEAGE_BLOCKS = 1 << 17  # blocks remembered (each a digest and a replica: a few MiB)
+
+
+def block_hashes(tokens: Sequence[int], block: int) -> list[bytes]:
+    """A digest per whole block of ``tokens``, each over the blocks before it (as vLLM
+    names its cached blocks): two rows share the first ``k`` digests exactly when they share
+    their first ``k * block`` tokens."""
+    data = array("q", tokens).tobytes()
+    step = 8 * block
+    out: list[bytes] = []
+    last = b""
+    for start in range(0, len(tokens) // block * step, step):
+        last = hashlib.blake2b(last + data[start:start + step], digest_size=12).digest()
+        out.append(last)
+    return out
+
+
+def rendezvous(key: bytes, candidates: Sequence[int], names: Mapping[int, str]) -> int:
+    """The candidate whose name scores highest with ``key`` (highest-random-weight
+    hashing): the same on every client, and when a candidate leaves only the keys it held
+    move."""
+    return max(candidates, key=lambda c: hashlib.blake2b(key + names[c].encode(),
+                                                          digest_size=8).digest())
+
+
+class Lineage:
+    """Which replica last computed each block digest, the least recently used forgotten
+    first beyond ``capacity`` blocks."""
+
+    def __init__(self, capacity: int = LINEAGE_BLOCKS) -> None:
+        self.capacity = capacity
+        self._where: OrderedDict[bytes, int] = OrderedDict()
+
+    def record(self, hashes: Sequence[bytes], replica: int) -> None:
+        for h in hashes:
+            self._where[h] = replica
+            self._where.move_to_end(h)
+        while len(self._where) > self.capacity:
+            self._where.popitem(last=False)
+
+    def longest(self, hashes: Sequence[bytes], serving: Mapping[int, object]) -> tuple[int, int]:
+        """``(blocks, replica)``: the longest chain of ``hashes`` remembered on a replica in
+        ``serving``, ``(0, -1)`` where none is."""
+        best = (0, -1)
+        for depth, h in enumerate(hashes, 1):
+            replica = self._where.get(h)
+            if replica is None:
+                break                     # a chain: no later block can be remembered
+            if replica in serving:
+                best = (depth, replica)
+        return best
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+class Router:
+    """The pool's routing rules (see the module's docstring).
+
+    Parameters
+    ----------
+    block : int
+        The servers' block size (vLLM's ``--block-size``).
+    spill : int
+        How many more requests in flight than the least-loaded replica a new root's
+        replica may carry before the root goes to the least-loaded one instead.
+    names : mapping of int to str or None
+        Each replica's stable name (its URL and rank) for `rendezvous`; None: the indices.
+    """
+
+    def __init__(self, block: int = BLOCK, spill: int = SPILL,
+                 names: Mapping[int, str] | None = None) -> None:
+        self.block = block
+        self.spill = spill
+        self.names = dict(names) if names is not None else None
+        self.lineage = Lineage()
+
+    def route(self, tokens: Sequence[int], loads: Mapping[int, int]) -> int:
+        """The replica among ``loads`` (replica -> requests in flight; those that can serve
+        now) that ``tokens`` go to."""
+        if not loads:
+            raise ValueError("route() needs at least one replica that can serve")
+        hashes = block_hashes(tokens, self.block)
+        depth, replica = self.lineage.longest(hashes, loads)
+        if depth and 2 * depth * self.block >= len(tokens):
+            return replica                                   # where its prefix lives
+        if not depth:
+            key = hashes[0] if hashes else array("q", tokens).tobytes()
+            names = self.names or {r: str(r) for r in loads}
+            replica = rendezvous(key, sorted(loads), names)  # its home
+        least = min(loads.values())
+        if loads[replica] - least > self.spill:              # uneven past the threshold
+            replica = min(sorted(loads), key=lambda r: loads[r])
+        return replica
+
+    def record(self, tokens: Sequence[int], replica: int) -> None:
+        """``tokens`` were (or are being) computed on ``replica``: their whole blocks live
+        there now."""
+        self.lineage.record(block_hashes(tokens, self.block), replica)
