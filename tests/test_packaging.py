@@ -79,7 +79,8 @@ def test_the_readme_pip_route_installs_the_wheel_and_runs_the_tour(tmp_path):
     """The README's "Install with pip" block, run as written in a fresh virtual environment
     (no system site-packages), the repository replaced by a wheel built from it; then the
     README's tour, grammars included, from a folder that is not the checkout.  The install
-    takes constraints.txt, so that it gets the tested versions (and pip's cache serves them)."""
+    takes constraints.txt, so that it gets the tested versions (and pip's cache serves them).
+    Most of its time is installing torch's wheel."""
     readme = (ROOT / "README.md").read_text()
     commands = [ln.split("#")[0].split() for ln in _block_after(readme, "## Install with pip",
                                                                 "bash").splitlines()]
@@ -102,8 +103,8 @@ def test_the_readme_pip_route_installs_the_wheel_and_runs_the_tour(tmp_path):
     python = str(tmp_path / "env" / "bin" / "python")
     for args in installs:
         args = [str(wheel) if a == "." else a for a in args]
-        run([python, "-m", "pip", "install", "--quiet", "-c", str(ROOT / "constraints.txt"),
-             *args])
+        run([python, "-m", "pip", "install", "--quiet", "--no-compile",   # no .pyc: faster
+             "-c", str(ROOT / "constraints.txt"), *args])
     tour = tmp_path / "tour.py"
     tour.write_text("import seqstate\nprint(seqstate.__file__)\n"
                     + _block_after(readme, "## A short tour", "python"))
