@@ -1,7 +1,7 @@
 """seqstate: structured LLM generation on immutable, forkable sequence states."""
 
 from seqstate import backends, constraints, engine, grammars, hooks, models, sampling, viz
-from seqstate.batch import BatchError, arun_batch, run_batch
+from seqstate.programs import BatchError, arun_batch, run_batch
 from seqstate.conversation import chat
 from seqstate.errors import (ActivationHookError, ArgumentError, AuthenticationError,
                              BatchMismatch, CacheFullError, CallTimeout, CapabilityError,

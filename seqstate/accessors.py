@@ -123,5 +123,5 @@ class Chars:
                 rows.append(r.select(range(k), keep_kv=True).extended(st.model.encode(rest)))
             else:
                 toks = tuple(st.model.encode(text[lo:hi]))
-                rows.append(Row(toks, None, (None,) * len(toks), (None,) * len(toks)))
+                rows.append(Row.plain(toks))
         return st._with_rows(rows)

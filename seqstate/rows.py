@@ -77,6 +77,12 @@ class Row:
     spans: tuple[Span, ...] = ()
     chat: Chat | None = None
 
+    @classmethod
+    def plain(cls, tokens: Sequence[int]) -> Row:
+        """A row of ``tokens`` the model did not generate: no KV yet, no log-probs, no cursors."""
+        toks = tuple(tokens)
+        return cls(toks, None, (None,) * len(toks), (None,) * len(toks))
+
     @property
     def last_span(self) -> Span | None:
         return self.spans[-1] if self.spans else None

@@ -1,6 +1,6 @@
 """Reading log-probs off a state: ``state.score(continuations)`` and ``state.next_logprobs()``.
 
-Both go through the model's runner to its engine (`seqstate.backends.scoring`): every row's
+Both go through the model's runner to its engine (`seqstate.backends.teacher_forcing`): every row's
 KV is found in the store or computed once and stored, the distribution after each row's last
 token is computed once, and continuations are fed after their row as scratch KV (not stored
 unless ``store=True``), in groups bounded by a token budget.

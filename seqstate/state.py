@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import html
 import operator
 import reprlib
 from collections.abc import Sequence
@@ -11,7 +10,7 @@ from typing import Any
 
 import torch
 
-from seqstate import scores
+from seqstate import scores, viz
 from seqstate.accessors import Axis, Captures, Chars, TokenAxis
 from seqstate.errors import ArgumentError, BatchMismatch, ModelMismatch, SlicingError
 from seqstate.indexing import is_prefix, normalize, token_positions
@@ -171,20 +170,7 @@ class SequenceState:
         return "\n".join(lines) + ")"
 
     def _repr_html_(self) -> str:
-        rows = []
-        for i, r in enumerate(self.rows):
-            cells = []
-            for t, lp in zip(r.tokens, r.logprobs):
-                piece = html.escape(self.model.vocab.token_bytes[t].decode("utf-8", "replace"))
-                if lp is None:
-                    cells.append(f"<span style='color:#555'>{piece}</span>")
-                else:
-                    p = min(1.0, max(0.0, float(torch.tensor(lp).exp())))
-                    cells.append(f"<span title='logprob {lp:.3f}' style='background:"
-                                 f"hsl({int(120 * p)},80%,85%)'>{piece}</span>")
-            rows.append(f"<div><b>[{i // self.n_samples},{i % self.n_samples}]</b> "
-                        f"<span style='white-space:pre-wrap;font-family:monospace'>{''.join(cells)}</span></div>")
-        return f"<div class='seqstate'><i>SequenceState {self.shape}</i>{''.join(rows)}</div>"
+        return viz.tokens_html(self)
 
     # -- indexing -----------------------------------------------------------------------------
     def __getitem__(self, key: Any) -> Any:
@@ -306,7 +292,7 @@ class SequenceState:
             # a new prompt: the text is encoded as a prompt, and the rows' own prompt start
             # (their BOS) moves in front of it
             toks = tuple(self.model.encode_prompt(other))
-            head = Row(toks, None, (None,) * len(toks), (None,) * len(toks))
+            head = Row.plain(toks)
             return self._with_rows([_joined(head, r, self.model.vocab) for r in self.rows])
         return NotImplemented
 
@@ -397,5 +383,5 @@ def from_tokens(model: Any, token_ids: Sequence[Sequence[int]]) -> SequenceState
         if bad:
             raise ArgumentError(f"token ids {bad[:5]} are outside the vocabulary (0..{size - 1}) "
                                 f"of {model.name}; were they made by another tokenizer?")
-        rows.append(Row(ids, None, (None,) * len(ids), (None,) * len(ids)))
+        rows.append(Row.plain(ids))
     return SequenceState(model, tuple(rows), len(rows), 1)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import math
 
-__all__ = ["tree", "Tree"]
+__all__ = ["tree", "Tree", "tokens_html"]
 
 _BOX_W, _BOX_H, _GAP_X, _GAP_Y = 200, 48, 36, 14
 _CHARS = 28            # monospace characters per label line at font-size 11 in a box
@@ -140,3 +141,23 @@ def tree(state) -> Tree:
     True
     """
     return Tree(state)
+
+
+def tokens_html(state) -> str:
+    """``state``'s rows as HTML, one line a row, each generated token shaded by its
+    probability (its log-prob on hover); prompt and appended tokens in grey.  A state's
+    ``_repr_html_`` (notebooks)."""
+    rows = []
+    for i, r in enumerate(state.rows):
+        cells = []
+        for t, lp in zip(r.tokens, r.logprobs):
+            piece = html.escape(state.model.vocab.token_bytes[t].decode("utf-8", "replace"))
+            if lp is None:
+                cells.append(f"<span style='color:#555'>{piece}</span>")
+            else:
+                p = min(1.0, max(0.0, math.exp(lp)))
+                cells.append(f"<span title='logprob {lp:.3f}' style='background:"
+                             f"hsl({int(120 * p)},80%,85%)'>{piece}</span>")
+        rows.append(f"<div><b>[{i // state.n_samples},{i % state.n_samples}]</b> "
+                    f"<span style='white-space:pre-wrap;font-family:monospace'>{''.join(cells)}</span></div>")
+    return f"<div class='seqstate'><i>SequenceState {state.shape}</i>{''.join(rows)}</div>"

@@ -56,8 +56,8 @@ INTERNAL: dict[tuple[str, str, str], str] = {
     ("seqstate/backends/llamacpp/native.py", "Llama.cell_positions", "RuntimeError"):
         "reads the cell layout for verify() only: " + _CORRUPT,
     ("seqstate/backends/llamacpp/store.py", "SeqStore.*", "RuntimeError"): _PROTOCOL,
-    ("seqstate/backends/scoring.py", "prefix_groups", "ValueError"): _PROTOCOL,
-    ("seqstate/backends/scoring.py", "score_pairs", "ValueError"):
+    ("seqstate/backends/teacher_forcing.py", "prefix_groups", "ValueError"): _PROTOCOL,
+    ("seqstate/backends/teacher_forcing.py", "score_pairs", "ValueError"):
         "empty continuations are refused with ArgumentError/ConstraintError before (scores.py, "
         "choice options); " + _PROTOCOL,
     ("seqstate/backends/hf/packed.py", "score_packed", "ValueError"):

@@ -35,9 +35,10 @@ LAYERS = [
     ("engine", ["seqstate.engine"]),
     ("models", ["seqstate.models", *[f"{e.package}.{m}" for e in registry.engines()
                                      for m in ENGINE_MODEL_LAYER]]),
-    ("values", ["seqstate.rows", "seqstate.scores", "seqstate.accessors", "seqstate.state"]),
+    ("values", ["seqstate.rows", "seqstate.scores", "seqstate.accessors", "seqstate.viz",
+                "seqstate.state"]),
     ("generation", ["seqstate.call", "seqstate.generation", "seqstate.conversation"]),
-    ("public surface", ["seqstate", "seqstate.batch", "seqstate.viz", "seqstate.demo",
+    ("public surface", ["seqstate", "seqstate.programs", "seqstate.demo",
                         "seqstate.__main__"]),
 ]
 
@@ -183,7 +184,7 @@ def test_no_upward_imports():
 def test_state_does_not_import_the_chat_layer():
     assert {m for m, _ in GRAPH["seqstate.state"]} <= {
         "seqstate.errors", "seqstate.indexing", "seqstate.rows", "seqstate.scores",
-        "seqstate.accessors"}
+        "seqstate.accessors", "seqstate.viz"}
 
 
 def test_generation_is_a_package_of_small_modules():

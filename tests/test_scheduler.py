@@ -13,7 +13,7 @@ import seqstate as ss
 from seqstate.backends.base import CacheFullError
 from seqstate.engine.scheduler import _Run
 from seqstate.engine.rows import RowRequest
-from seqstate.engine.scoring import BackendJob
+from seqstate.engine.logprob_jobs import BackendJob
 from seqstate.hooks import Rollback
 
 from conftest import assert_close, verify_store
@@ -324,7 +324,7 @@ def test_next_logprobs_rows_share_the_running_calls_forward(fresh_tiny, monkeypa
     """`NextJob`'s rows join the running batch: one forward feeds them with a decoding
     call's rows, and their distributions equal a fresh evaluation's."""
     from seqstate.engine.decode import DecodeJob
-    from seqstate.engine.scoring import NextJob
+    from seqstate.engine.logprob_jobs import NextJob
 
     m = fresh_tiny
     rows = [m.encode("Is the sky blue?"), m.encode("Grass is")]
@@ -372,13 +372,13 @@ def test_a_scoring_job_that_finds_the_cache_full_waits_for_a_job_to_leave():
 def test_a_long_scoring_call_lets_other_calls_decode_between_its_parts(fresh_tiny, monkeypatch):
     """Scoring runs on the worker one part (of `ROWS_PER_STEP` distinct rows) per step, so a
     call decoding beside it keeps stepping; the scores equal those of one part."""
-    from seqstate.engine import scoring
+    from seqstate.engine import logprob_jobs
 
     m = fresh_tiny
     rows = [m.encode(f"Question {i}: is {i} even?") for i in range(6)]
     pairs = [(r, m.encode(o)) for r in rows for o in (" yes", " no")]
     whole = ss.engine.score(m, pairs)
-    monkeypatch.setattr(scoring, "ROWS_PER_STEP", 1)
+    monkeypatch.setattr(logprob_jobs, "ROWS_PER_STEP", 1)
     seen = []                              # decode tokens counted when each part starts
     real = m.backend.score
     monkeypatch.setattr(m.backend, "score", lambda part, **kw: seen.append(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import seqstate as ss
-from seqstate.backends import scoring
+from seqstate.backends import teacher_forcing
 from seqstate.backends.hf import packed
 from seqstate.errors import ArgumentError, BatchMismatch, ContextOverflowError
 
@@ -76,14 +76,14 @@ def test_a_tail_longer_than_a_chunk_is_exact(tiny, monkeypatch):
     state = ss.from_tokens(tiny, [tiny.encode("Read this:")])
     text = " ".join(f"word{i}" for i in range(400))
     long = tiny.encode(text)[:1100]
-    assert len(long) > scoring.CHUNK
+    assert len(long) > teacher_forcing.CHUNK
     _check(tiny, state, state.score([long, " short one"]))
-    monkeypatch.setattr(scoring, "CHUNK", 3)
+    monkeypatch.setattr(teacher_forcing, "CHUNK", 3)
     _check(tiny, state, state.score([" a longer continuation of several tokens", " b"]))
 
 
 def test_chunks_on_llama_cpp(llama, monkeypatch):
-    monkeypatch.setattr(scoring, "CHUNK", 2)
+    monkeypatch.setattr(teacher_forcing, "CHUNK", 2)
     state = ss.from_tokens(llama, [llama.encode("Read this:"), llama.encode("Then")])
     _check(llama, state, state.score([" a longer continuation of several tokens", " b"]))
     llama.backend.verify()
@@ -92,7 +92,7 @@ def test_chunks_on_llama_cpp(llama, monkeypatch):
 def test_options_sharing_a_run_fork_on_every_engine(engine, reference, monkeypatch):
     """The trie walk (a shared run fed once, forks where options part), in chunks, on every
     engine: exact against each engine's reference; llama.cpp's sequences check out."""
-    monkeypatch.setattr(scoring, "CHUNK", 2)
+    monkeypatch.setattr(teacher_forcing, "CHUNK", 2)
     state = ss.from_tokens(engine, [engine.encode("The tower is in"), engine.encode("It is")])
     _check(reference, state, state.score([" the city of Paris", " the city of Lyon, France",
                                        " the city", " a town"]))
@@ -348,7 +348,7 @@ def test_every_prefix_is_fed_exactly_once_where_questions_and_options_begin_alik
     every log-prob is still exact.  Budgets too small for a question's options cut them
     between " a ..." and " the ...", which share no fed token."""
     m = _fresh(kind)
-    monkeypatch.setattr(scoring, "SCORE_BATCH_TOKENS", 64)     # 4 options of ~15 tokens
+    monkeypatch.setattr(teacher_forcing, "SCORE_BATCH_TOKENS", 64)     # 4 options of ~15 tokens
     questions = ["What measures air pressure?", "Which body shines at night?",
                  "What measures heat?", "What measures length?", "Which body is largest?",
                  "What is the Sun?"]

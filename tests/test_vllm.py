@@ -3,7 +3,7 @@ inside), its requests, its prefix cache, its HTTP failures, its vocabulary check
 
 Features that every engine has run on the server too, through conftest's `engine` fixture in
 the feature files (chat, captures, healing, call options, failures, scoring, the contract in
-test_engines.py).  Here the reference is twofold: the HF engine on the same weights (greedy ids
+test_contract.py).  Here the reference is twofold: the HF engine on the same weights (greedy ids
 equal, log-probs within fp32 noise: `assert_close`'s bound from the HF model's noise floor
 measured on this CPU) and the server's own answers (prompt_logprobs for scoring).  Constraints
 run in the server's plugin; their tokens must equal the HF engine's, which runs them locally.

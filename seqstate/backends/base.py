@@ -249,7 +249,7 @@ class Backend(Protocol):
         computed once (its KV stored, as a row's) and its last position serves every
         continuation's first token; continuation KV is scratch unless ``store`` (then each
         ``prefix + continuation[:-1]`` is stored, unpinned).  Memory is bounded by a token
-        budget, not by the number of pairs (`seqstate.backends.scoring`)."""
+        budget, not by the number of pairs (`seqstate.backends.teacher_forcing`)."""
         ...
 
     def count(self, **deltas: int) -> None:
@@ -318,7 +318,7 @@ class RequestBackend(Backend, Protocol):
     def next_logprobs(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
         """Float32 log-softmax ``(len(rows), V)`` of the next token after each row (an
         engine that steps rows reads it in its running batch instead:
-        `seqstate.engine.scoring.NextJob`)."""
+        `seqstate.engine.logprob_jobs.NextJob`)."""
         ...
 
     def top(self, tokens: Sequence[int], k: int,

@@ -17,8 +17,8 @@ import llguidance
 from seqstate.constraints.grammar import GrammarConstraint
 from seqstate.constraints.json_formats import format_checker
 from seqstate.constraints.json_lark import needs_lark, to_lark
-from seqstate.constraints.json_prepare import (KEY_ORDERS, Prepared, check_refs, find_keyword,
-                                              prepare, subschemas)
+from seqstate.constraints.json_pointer import check_refs, find_keyword, subschemas
+from seqstate.constraints.json_prepare import KEY_ORDERS, Prepared, prepare
 from seqstate.errors import ConstraintError
 
 __all__ = ["JsonConstraint", "WHITESPACE", "check_options", "validator_for"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import re
-from seqstate.constraints.json_prepare import resolve, subschemas
+from seqstate.constraints.json_pointer import resolve, subschemas
 from seqstate.errors import ConstraintError
 
 __all__ = ["needs_lark", "to_lark", "truncated", "LLGUIDANCE_QUOTES_LONG_CONSTANTS"]

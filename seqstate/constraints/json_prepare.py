@@ -19,23 +19,17 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Iterator
-from urllib.parse import unquote
-
 from seqstate.constraints.json_formats import format_regex
+from seqstate.constraints.json_pointer import (LISTS, MAPS, SINGLE, children, escape, replace,
+                                              resolve)
 
-__all__ = ["VALIDATED", "KEY_ORDERS", "Prepared", "prepare", "find_keyword", "subschemas",
-           "check_refs", "resolve"]
+__all__ = ["VALIDATED", "KEY_ORDERS", "Prepared", "prepare"]
 
 VALIDATED = ("uniqueItems", "dependencies", "dependentRequired", "dependentSchemas", "not",
              "if", "then", "else", "contains", "minContains", "maxContains", "propertyNames",
              "unevaluatedProperties", "unevaluatedItems")
 KEY_ORDERS = ("schema", "required_first")
 
-_MAPS = ("properties", "patternProperties", "definitions", "$defs", "dependentSchemas")
-_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
-_SINGLE = ("additionalProperties", "additionalItems", "items", "contains", "propertyNames", "not",
-           "if", "then", "else", "unevaluatedItems", "unevaluatedProperties")
 # keywords that decide which keys an object may have, with the applicators that combine schemas
 _OBJECT_KEYS = frozenset({
     "properties", "required", "additionalProperties", "patternProperties", "minProperties",
@@ -55,106 +49,6 @@ class Prepared:
     schema: object
     validated: tuple[str, ...]          # "keyword at pointer" the grammar leaves to validation
     origins: dict[str, str]             # pointer of each typed copy -> pointer of its original
-
-
-def _escape(key: str) -> str:
-    return key.replace("~", "~0").replace("/", "~1")
-
-
-def _children(node: dict, ptr: str) -> Iterator[tuple[str, str, object]]:
-    """``(keyword, pointer, subschema)`` for each subschema directly inside ``node``."""
-    for key, value in node.items():
-        here = f"{ptr}/{_escape(key)}"
-        if key in _MAPS and isinstance(value, dict):
-            for name, sub in value.items():
-                yield key, f"{here}/{_escape(name)}", sub
-        elif key in _LISTS and isinstance(value, list):
-            for i, sub in enumerate(value):
-                yield key, f"{here}/{i}", sub
-        elif key in _SINGLE and isinstance(value, (dict, bool)):
-            yield key, here, value
-        elif key == "dependencies" and isinstance(value, dict):
-            for name, sub in value.items():
-                if isinstance(sub, dict):
-                    yield key, f"{here}/{_escape(name)}", sub
-
-
-def subschemas(schema: object) -> Iterator[tuple[str, dict]]:
-    """``(pointer, node)`` for every schema object reachable through schema keywords."""
-    stack = [("#", schema)]
-    while stack:
-        ptr, node = stack.pop()
-        if isinstance(node, dict):
-            yield ptr, node
-            stack.extend((p, sub) for _, p, sub in reversed(list(_children(node, ptr))))
-
-
-def find_keyword(schema: object, keyword: str) -> str | None:
-    """The JSON pointer of the first schema node that uses ``keyword``, or None."""
-    return next((f"{ptr}/{_escape(keyword)}" for ptr, node in subschemas(schema)
-                 if keyword in node), None)
-
-
-def resolve(root: object, ref: object) -> tuple[str, object] | None:
-    """``(pointer, node)`` of a ``$ref`` inside this document, or None for any other reference."""
-    if not isinstance(ref, str):
-        return None
-    base = root.get("$id", root.get("id")) if isinstance(root, dict) else None
-    where, _, fragment = ref.partition("#")
-    if where and where != base:
-        return None
-    if fragment and not fragment.startswith("/"):
-        return None                                     # an anchor name: not followed here
-    node, pointer = root, "#"
-    for part in fragment.split("/")[1:]:
-        part = unquote(part).replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-        pointer += "/" + _escape(part)
-    return pointer, node
-
-
-def check_refs(root: object) -> str | None:
-    """Why a ``$ref`` of ``root`` cannot be followed (naming it and its JSON pointer), or None.
-
-    References into this document (JSON pointers, anchors, ``$id``s it declares) are fine;
-    a remote one, or a pointer to nothing, is reported before llguidance sees the schema.
-    """
-    ids = {node[key] for _, node in subschemas(root) for key in ("$id", "id")
-           if isinstance(node.get(key), str)}
-    for ptr, node in subschemas(root):
-        ref = node.get("$ref")
-        if not isinstance(ref, str):
-            continue
-        where, _, fragment = ref.partition("#")
-        if where and not any(i == where or i.rstrip("#").endswith("/" + where) for i in ids):
-            return (f"`$ref` at {ptr}: remote references ({ref!r}) are not supported, seqstate "
-                    "never downloads; copy the referenced schema into this one's `$defs` and "
-                    "refer to it as '#/$defs/<name>'")
-        if not where and fragment.startswith("/") and resolve(root, ref) is None:
-            return (f"`$ref` at {ptr}: {ref!r} points to nothing in this schema; fix the "
-                    "pointer or add the schema it names")
-    return None
-
-
-def _replace(root: object, pointer: str, value: object) -> object:
-    """``root`` with the node at ``pointer`` replaced, copying only the containers on the way."""
-    parts = [p.replace("~1", "/").replace("~0", "~") for p in pointer.split("/")[1:]]
-    if not parts:
-        return value
-    head = parts[0]
-    index = int(head) if isinstance(root, list) and head.isdigit() else head
-    try:
-        child = root[index]
-    except (KeyError, IndexError, TypeError):
-        return root                 # inside a dropped keyword: llguidance reports the $ref
-    copy = list(root) if isinstance(root, list) else dict(root)
-    copy[index] = _replace(child, "#" + pointer[len("#/" + _escape(head)):], value)
-    return copy
 
 
 def _types(value: object) -> set[str]:
@@ -184,7 +78,7 @@ def _combined(root: object) -> set[str] | None:
             if target is None:
                 return None
             stack.append((*target, inside or bool((node.keys() - {"$ref"}) & _OBJECT_KEYS)))
-        for key, here, sub in _children(node, ptr):
+        for key, here, sub in children(node, ptr):
             if key == "allOf":
                 stack.append((here, sub, True))
             elif key in ("anyOf", "oneOf"):
@@ -234,7 +128,7 @@ class _Rewriter:
         while self.pending:
             ptr = self.pending.pop()
             if ptr not in self.seen:
-                out = _replace(out, ptr, self.node(resolve(self.root, ptr)[1], ptr))
+                out = replace(out, ptr, self.node(resolve(self.root, ptr)[1], ptr))
         if self.extra and isinstance(out, dict):
             out = {**out, "definitions": {**out.get("definitions", {}), **self.extra}}
         return out
@@ -248,15 +142,15 @@ class _Rewriter:
         node = _distribute_type(node)
         out: dict = {}
         for key, value in node.items():
-            here = f"{ptr}/{_escape(key)}"
+            here = f"{ptr}/{escape(key)}"
             if key in VALIDATED:
                 if not (key == "uniqueItems" and value is False):      # false is the default
                     self.validated.append(f"{key} at {ptr}")
-            elif key in _MAPS and isinstance(value, dict):
-                out[key] = {k: self.node(v, f"{here}/{_escape(k)}") for k, v in value.items()}
-            elif key in _LISTS and isinstance(value, list):
+            elif key in MAPS and isinstance(value, dict):
+                out[key] = {k: self.node(v, f"{here}/{escape(k)}") for k, v in value.items()}
+            elif key in LISTS and isinstance(value, list):
                 out[key] = [self.node(v, f"{here}/{i}") for i, v in enumerate(value)]
-            elif key in _SINGLE:
+            elif key in SINGLE:
                 out[key] = self.node(value, here)
             else:
                 out[key] = value

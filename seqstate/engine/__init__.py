@@ -2,7 +2,7 @@
 
 from seqstate.engine.decode import generate, run
 from seqstate.engine.rows import RowRequest, RowResult
-from seqstate.engine.scoring import next_logprobs, score
+from seqstate.engine.logprob_jobs import next_logprobs, score
 from seqstate.engine.step import StepEvent, Stepper
 
 __all__ = ["generate", "run", "next_logprobs", "score", "RowRequest", "RowResult", "Stepper",

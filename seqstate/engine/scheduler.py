@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from seqstate.backends.base import Handle, Scored
-from seqstate.engine import scoring
+from seqstate.engine import logprob_jobs
 from seqstate.engine.beam import BeamJob
 from seqstate.engine.buffers import shared_buffers
 from seqstate.engine.decode import DecodeJob
@@ -143,18 +143,18 @@ class Scheduler:
     def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
               store: bool = False) -> list[Scored]:
         """Teacher-forced log-probs of each pair's continuation, on the worker in parts
-        (`seqstate.engine.scoring.score_in_parts`)."""
-        return scoring.score_in_parts(self, pairs, store=store)
+        (`seqstate.engine.logprob_jobs.score_in_parts`)."""
+        return logprob_jobs.score_in_parts(self, pairs, store=store)
 
     def next_logprobs(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
         """Float32 log-softmax ``(len(rows), V)`` of the next token after each row, read in
-        the running batch (`seqstate.engine.scoring.next_in_batch`)."""
-        return scoring.next_in_batch(self, rows)
+        the running batch (`seqstate.engine.logprob_jobs.next_in_batch`)."""
+        return logprob_jobs.next_in_batch(self, rows)
 
     def stored(self, rows: Sequence[Sequence[int]]) -> list[Handle]:
         """Handles on each ``row[:-1]``'s KV, stored on the worker
-        (`seqstate.engine.scoring.store_in_parts`)."""
-        return scoring.store_in_parts(self, rows)
+        (`seqstate.engine.logprob_jobs.store_in_parts`)."""
+        return logprob_jobs.store_in_parts(self, rows)
 
     # -- the caller's side ---------------------------------------------------------------------
     def _receive(self, job: Job, caller: Caller) -> tuple[str, Any] | None:

@@ -14,7 +14,7 @@ One concept per module: `generator` (the `Generator` and its call / stream / res
 from seqstate.generation.constructors import cfg, choice, json, regex, text
 from seqstate.generation.generator import Generator
 from seqstate.generation.output_types import continuous
-from seqstate.generation.scoring import ScoredChoice
+from seqstate.generation.ranked_choice import ScoredChoice
 from seqstate.generation.streaming import final_state
 
 __all__ = ["Generator", "ScoredChoice", "text", "choice", "regex", "json", "cfg", "continuous",

@@ -14,7 +14,7 @@ from seqstate.call import CALL_PARAMETERS
 from seqstate.constraints import compile as compiled
 from seqstate.errors import ArgumentError
 from seqstate.generation.generator import Generator
-from seqstate.generation.scoring import ScoredChoice
+from seqstate.generation.ranked_choice import ScoredChoice
 from seqstate.models.base import BaseModel as Model
 
 __all__ = ["text", "choice", "regex", "json", "cfg"]

@@ -21,7 +21,7 @@ Prompt = str | Sequence[str] | SequenceState
 def prompt_row(model: BaseModel, text: str) -> Row:
     """A prompt's row; the empty prompt is the model's start token."""
     ids = tuple(model.encode_prompt(text))
-    return Row(ids, None, (None,) * len(ids), (None,) * len(ids))
+    return Row.plain(ids)
 
 
 def as_state(model: BaseModel, prompt: Prompt) -> SequenceState:

@@ -19,7 +19,7 @@ from seqstate.backends.hf.batch import HFBatch
 from seqstate.backends.hf.guard import HookGuard
 from seqstate.backends.hf.store import DEFAULT_BUDGET_BYTES, KVStore
 from seqstate.backends.hf.packed import score_packed
-from seqstate.backends.scoring import score_pairs
+from seqstate.backends.teacher_forcing import score_pairs
 
 __all__ = ["HFBackend", "SERIAL_TOKENS", "SERIAL_COLUMNS"]
 
@@ -169,7 +169,7 @@ class HFBackend(StepBackend):
     def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
               store: bool = False) -> list[Scored]:
         """See ``Backend.score``: a group of contexts a forward (`seqstate.backends.hf.packed`);
-        with ``store=True``, `seqstate.backends.scoring` over this engine's batches."""
+        with ``store=True``, `seqstate.backends.teacher_forcing` over this engine's batches."""
         return score_pairs(self, pairs, store=True) if store else score_packed(self, pairs)
 
 

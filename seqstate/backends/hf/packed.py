@@ -1,7 +1,7 @@
 """Teacher-forced scoring in few forwards: contexts and the tries of their continuations
 side by side in rows, under a tree-shaped attention mask.
 
-`seqstate.backends.scoring.score_pairs` walks a prefix's continuations over the engine's
+`seqstate.backends.teacher_forcing.score_pairs` walks a prefix's continuations over the engine's
 `Batch` one trie level a forward, after a forward for the prefixes' last tokens and the
 prefill's own.  Scoring is bound by forwards, not tokens (a 135M model on a CPU feeds a few
 tokens a row at about the cost of one), so here a group of contexts takes one forward:
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from seqstate.backends import scoring
+from seqstate.backends import teacher_forcing
 from seqstate.backends.base import Scored
 from seqstate.backends.hf.buffer import KVBuffer
 from seqstate.backends.hf.cache import as_cache
@@ -147,12 +147,12 @@ def _lines(rows: list[_Row], fits) -> list[_Line]:
 
 def score_packed(backend: Any, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]
                  ) -> list[Scored]:
-    """`seqstate.backends.scoring.score_pairs` (``store=False``) in one forward per group of
+    """`seqstate.backends.teacher_forcing.score_pairs` (``store=False``) in one forward per group of
     contexts (see the module); identical pairs computed once."""
     keys = [(tuple(p), tuple(c)) for p, c in pairs]
     distinct = list(dict.fromkeys(keys))
     if not distinct or not _packable(backend, distinct):
-        return scoring.score_pairs(backend, pairs)
+        return teacher_forcing.score_pairs(backend, pairs)
     for prefix, cont in distinct:
         if not prefix or not cont:
             raise ValueError("every prefix and every continuation needs at least one token")
@@ -165,23 +165,23 @@ def score_packed(backend: Any, pairs: Sequence[tuple[Sequence[int], Sequence[int
     del handles
     done: dict[Pair, Scored] = {}
     packed, rest = [], []
-    most = scoring._max_rows(backend)
+    most = teacher_forcing._max_rows(backend)
     for row in rows.values():
         alone = _cost([_Line().grown(row)], backend.vocab_size)
-        if len(row.tail) <= scoring.CHUNK and scoring._fits(alone, most):
+        if len(row.tail) <= teacher_forcing.CHUNK and teacher_forcing._fits(alone, most):
             packed.append(row)
         else:
             rest.extend(distinct[j] for j in row.pairs)
     # a sliding window counts columns: there every context keeps a row of its own
     columns = 0 if _window(backend) else LINE_COLUMNS
     lines = _lines(packed, lambda ln: ln.width <= columns
-                   and scoring._fits(_cost([ln], backend.vocab_size), most))
+                   and teacher_forcing._fits(_cost([ln], backend.vocab_size), most))
     lines.sort(key=lambda ln: (ln.width, ln.past))              # lines of like widths together
-    for budgeted in scoring._groups(lines, lambda g: _cost(g, backend.vocab_size), most):
+    for budgeted in teacher_forcing._groups(lines, lambda g: _cost(g, backend.vocab_size), most):
         for group in _even(budgeted):
             for j, got in _score_group(backend, group, distinct):
                 done[distinct[j]] = got
-    done.update(zip(rest, scoring.score_pairs(backend, rest)))
+    done.update(zip(rest, teacher_forcing.score_pairs(backend, rest)))
     return [done[key] for key in keys]
 
 

@@ -25,7 +25,7 @@ from seqstate.backends.base import (CacheFullError, Capabilities, Scored, StepBa
                                     WorkCounters, single_threaded_torch)
 from seqstate.backends.llamacpp.store import SeqHandle, SeqStore
 from seqstate.backends.prefixes import ensure_stored, trie_size
-from seqstate.backends.scoring import score_pairs
+from seqstate.backends.teacher_forcing import score_pairs
 from seqstate.errors import ContextOverflowError, EngineError
 from seqstate.backends.llamacpp.batch import LlamaCppBatch
 from seqstate.backends.llamacpp.native import (GARBAGE_SEQ, SCRATCH_SEQ, Llama, check_gguf,
@@ -253,7 +253,7 @@ class LlamaCppBackend(StepBackend):
 
     def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
               store: bool = False) -> list[Scored]:
-        """See ``Backend.score``: `seqstate.backends.scoring` over this engine's batches
+        """See ``Backend.score``: `seqstate.backends.teacher_forcing` over this engine's batches
         (continuations on sequences sharing their prefix's cells, freed unless stored)."""
         with self.guarded():
             return score_pairs(self, pairs, store=store)

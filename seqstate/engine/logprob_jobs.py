@@ -8,7 +8,7 @@ the worker in parts between decode steps (`ROWS_PER_STEP` distinct rows a part, 
 batches: a continuation's many positions and trie forks), so it too is serialised with every
 other call's steps through the scheduler, never beside it under a lock of its own, and a long
 scoring call does not stop other calls for its length.  Both keep memory bounded by the
-scoring budget (`seqstate.backends.scoring`), a group of rows at a time.  The scheduler's
+scoring budget (`seqstate.backends.teacher_forcing`), a group of rows at a time.  The scheduler's
 `score`, `next_logprobs` and `stored` are these (`score_in_parts`, `next_in_batch`,
 `store_in_parts`); `score` and `next_logprobs` here ask any model's runner.
 """
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from seqstate.backends.base import Handle, Scored
-from seqstate.backends.scoring import prefix_groups, store_rows
+from seqstate.backends.teacher_forcing import prefix_groups, store_rows
 from seqstate.engine.job import Job, last_logits
 from seqstate.sampling.functions import check_logprobs
 
