@@ -329,7 +329,6 @@ def test_a_regex_syntax_error_names_its_position(tiny, pattern, position, reason
     (r"(a|b)x\1", 6, r"the backreference `\1`", "repeat the group's pattern"),
     (r"[(?=]\bcat", 5, r"the word boundary `\b`", "[^A-Za-z0-9_]"),
     (r"\(?=(?>ab)", 4, "the atomic group `(?>...)`", "ordinary group"),
-    (r"a++b", 1, "the possessive quantifier `++`", "ordinary group"),
 ])
 def test_an_unsupported_construct_says_which_and_what_instead(tiny, pattern, position,
                                                               construct, instead):

@@ -57,7 +57,7 @@ def unsupported_construct(pattern: str) -> str | None:
     A scan of the text outside character classes: backslash escapes are skipped whole, so
     ``\\(?=`` is a literal parenthesis, and ``[(?=]`` a class.
     """
-    i, in_class, quantified = 0, False, False
+    i, in_class = 0, False
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
@@ -66,7 +66,7 @@ def unsupported_construct(pattern: str) -> str | None:
                 return _unsupported(pattern, i, f"the backreference `\\{nxt}`", _BACKREF)
             if not in_class and nxt in ("b", "B"):
                 return _unsupported(pattern, i, f"the word boundary `\\{nxt}`", _BOUNDARY)
-            i, quantified = i + 2, False
+            i += 2
             continue
         if in_class:
             in_class = c != "]"
@@ -76,16 +76,12 @@ def unsupported_construct(pattern: str) -> str | None:
             # a `]` right after `[` or `[^` is a literal member of the class
             i += 2 if pattern[i + 1: i + 2] == "^" else 1
             i += 1 if pattern[i: i + 1] == "]" else 0
-            in_class, quantified = True, False
+            in_class = True
             continue
         if c == "(":
             for opener, name, instead in _GROUPS:
                 if pattern.startswith(opener, i):
                     return _unsupported(pattern, i, name, instead)
-        if c == "+" and quantified:
-            return _unsupported(pattern, i - 1, f"the possessive quantifier "
-                                f"`{pattern[i - 1]}+`", _ATOMIC)
-        quantified = c in "*+?}" and not (c in "?+" and quantified)
         i += 1
     return None
 

@@ -99,8 +99,7 @@ def regex(model: Model, pattern: str) -> Generator:
 
     The whole text a call writes matches (``^`` and ``$`` are implied).  The syntax is
     Python's ``re`` without what a token automaton cannot express: no lookahead or
-    lookbehind, backreferences, word boundaries (``\b``), atomic groups or possessive
-    quantifiers.  A pattern that cannot be compiled raises ``ss.ConstraintError`` when the
+    lookbehind, backreferences, word boundaries (``\b``) or atomic groups.  A pattern that cannot be compiled raises ``ss.ConstraintError`` when the
     generator is built, naming the problem and its position.
 
     Parameters
