@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from benchmarks.harness import best_of, interleaved, report
-from seqstate.engine import RowRequest, generate
+from seqstate.engine import Decoding, RowRequest, generate
 from seqstate.sampling import greedy, multinomial
 
 NEW = 64
@@ -39,8 +39,8 @@ def hf_generate(model, rows: list[list[int]], n: int, **kw):
 
 def ours(model, rows, n, sampler=None, seed=0):
     model.store.clear()
-    return generate(model, [RowRequest(tuple(r), n) for r in rows], sampler or greedy(),
-                    torch.Generator().manual_seed(seed))
+    return generate(model, [RowRequest(tuple(r), n) for r in rows],
+                    Decoding(sampler or greedy(), torch.Generator().manual_seed(seed)))
 
 
 def main(model) -> None:

@@ -22,7 +22,7 @@ import torch
 import seqstate as ss
 from benchmarks.harness import best_of, interleaved, report
 from benchmarks.programs import chained_seqstate
-from seqstate.engine import RowRequest, generate
+from seqstate.engine import Decoding, RowRequest, generate
 from seqstate.sampling import greedy, multinomial
 
 NEW = 64
@@ -31,8 +31,8 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived an old li
 
 def ours(model, rows, n, sampler=None) -> float:
     model.store.clear()
-    out = generate(model, [RowRequest(tuple(r), n) for r in rows], sampler or greedy(),
-                   torch.Generator().manual_seed(0))
+    out = generate(model, [RowRequest(tuple(r), n) for r in rows],
+                   Decoding(sampler or greedy(), torch.Generator().manual_seed(0)))
     return out
 
 

@@ -15,8 +15,7 @@ def steady_allocator() -> str:
     By default glibc moves its mmap threshold up as large blocks are freed and hands memory
     back to the system when the top of a heap frees, so whether a loop's (64, 49152) float
     tensors cost their page faults again at every step depends on what the process did
-    before: the same hand-written loop measured 404 ms a call in one process and 595 ms (100k
-    page faults a call) in another.  Pinned (blocks under 32 MiB from the heaps, heaps never
+    before (docs/performance.md).  Pinned (blocks under 32 MiB from the heaps, heaps never
     trimmed), every loop of a suite runs as it does at its best, whatever ran first."""
     name = ctypes.util.find_library("c")
     try:

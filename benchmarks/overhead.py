@@ -12,13 +12,11 @@ the ratios of the medians below it.
 On the CPU it also prints each loop's own time per step: a call's wall time less the time
 inside the model's forward (its causal LM or its decoder, outermost call), medians of the
 interleaved runs.  It moves far less than the ratios when the machine's speed changes from
-minute to minute (a VM shared with others: the hand loop's forward alone moved 1.2-1.8 ms at
-one row between runs), so compare engines by it on a noisy machine.
+minute to minute (a VM shared with others), so compare engines by it on a noisy machine.
 
 It pins glibc's malloc first (`harness.steady_allocator`): under glibc's moving thresholds a
 loop's large tensors fault their pages in again at every step or not, depending on what the
-process ran before (the hand loop alone took 1.45x as long in one process as in another),
-which swamped the ratios.
+process ran before, which swamped the ratios (docs/performance.md).
 
 ``python -m benchmarks overhead`` runs it on the tiny model and on SmolLM2 (this CPU);
 ``python -m benchmarks.overhead --device cuda`` runs it on a GPU, on the tiny model and on a

@@ -15,6 +15,7 @@ from typing import Any, TypedDict
 import torch
 
 from seqstate.detokenize import StopMatcher
+from seqstate.engine.rows import Decoding
 from seqstate.engine.waiting import Caller
 from seqstate.errors import ArgumentError
 from seqstate.hooks import DEFAULT_MAX_BACKTRACKS
@@ -224,6 +225,13 @@ class Call:
     def stops(self) -> StopMatcher | None:
         stops = self._stop_list()
         return StopMatcher(stops) if stops else None
+
+    def decoding(self, device: torch.device | str = "cpu") -> Decoding:
+        """What the engine needs of this call to decode its rows, as one value: its sampler,
+        its random generator (`generator` on ``device``), hooks, backtrack limit and
+        speculation."""
+        return Decoding(self.sampler, self.generator(device), tuple(self.hooks),
+                        self.max_backtracks, self.speculate)
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         """The call's random generator: ``rng`` as given, or one seeded with ``seed`` on

@@ -159,7 +159,7 @@ def fresh_logprobs(reference, tokens) -> torch.Tensor:
 
 def assert_fresh(model, reference, state) -> None:
     """Next-token log-probs through ``state``'s KV on ``model`` equal ``reference``'s fresh
-    evaluation of each row's tokens (DESIGN.md's 1e-3 caps the derived bound)."""
+    evaluation of each row's tokens (the engines' exactness bound, 1e-3, caps the derived bound: docs/engines.md)."""
     got = state.next_logprobs().flatten(0, 1)                      # (rows, V), batch-major
     for r, g in zip((r.tokens for r in state.rows), got):
         assert_close(g, fresh_logprobs(reference, r)[-1], reference,
@@ -309,7 +309,7 @@ def measure_floor(model) -> float:
     forward each) and the same rows batched with others (right-padded), fed as their last token
     over cached KV, or run on torch's default threads instead of one: the batch-shape noise
     floor of ``model`` on this CPU.  One thread does the bulk of the work, because two-thread
-    forwards slow 5-10x on a busy 2-core machine (DESIGN.md)."""
+    forwards slow down several times over on a busy 2-core machine."""
     hf = model.hf_model
     rng = random.Random(0)
     text = model.encode_prompt(" ".join(FLOOR_TEXTS))

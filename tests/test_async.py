@@ -22,7 +22,7 @@ def run(coro):
 
 
 def same(got, want) -> None:
-    """Equal tokens and log-probs within the engine's noise (a server's: DESIGN.md's 1e-3;
+    """Equal tokens and log-probs within the engine's noise (a server's: the exactness bound, 1e-3;
     its batches differ between two runs of the same request)."""
     if want.model.engine != "vllm":
         assert_same_rows(got, want)

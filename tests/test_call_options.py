@@ -32,7 +32,7 @@ def test_call_keywords_are_in_every_signature_with_calls_defaults(tiny, method):
 
 def test_the_keyword_reference_states_the_real_defaults():
     from seqstate.call import CALL_PARAMETERS, DEFAULT_MAX_TOKENS, MAX_CONSTRAINED_TOKENS
-    from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS
+    from seqstate.hooks import DEFAULT_MAX_BACKTRACKS
 
     for field in dataclasses.fields(Call):
         assert f"\n{field.name} : " in "\n" + CALL_PARAMETERS, field.name

@@ -3,7 +3,7 @@ the default model on a vLLM server.
 
 Exactness is each engine against its reference (conftest's `reference`): its own fresh
 evaluation of the same tokens (HF to fp32 noise, the bound `assert_close` derives from the
-noise floor measured on this CPU and capped at DESIGN.md's 1e-3; llama.cpp within its declared
+noise floor measured on this CPU and capped at the exactness bound's 1e-3 (docs/engines.md); llama.cpp within its declared
 noise floor, see seqstate.backends.llamacpp), and for the server, which has no full logits, the
 HF engine on the same fp32 weights.
 """

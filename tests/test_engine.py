@@ -5,8 +5,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from seqstate.engine import RowRequest, generate, next_logprobs
-from seqstate.sampling import greedy, multinomial
+from seqstate.engine import Decoding, RowRequest, generate, next_logprobs
+from seqstate.sampling import multinomial
 
 from conftest import assert_close, hf_generate
 
@@ -15,8 +15,8 @@ PROMPTS = ["Q: name three vehicles.\nA:", "Hello", "1, 2, 3, 4, 5, 6, 7, 8, 9, 1
 
 def check_greedy_matches_hf(model, n):
     ids = [model.encode(p) for p in PROMPTS]
-    single = [generate(model, [RowRequest(tuple(i), n)], greedy())[0] for i in ids]
-    batched = generate(model, [RowRequest(tuple(i), n) for i in ids], greedy())
+    single = [generate(model, [RowRequest(tuple(i), n)])[0] for i in ids]
+    batched = generate(model, [RowRequest(tuple(i), n) for i in ids])
     for i, a, b in zip(ids, single, batched):
         expected = hf_generate(model, i, n)
         assert list(a.tokens[a.start:]) == expected
@@ -42,7 +42,8 @@ def assert_close_to_fresh(model, rows):
 def test_logits_through_reused_sliced_forked_and_batched_kv(fresh_tiny):
     m = fresh_tiny
     base = m.encode("The quick brown fox jumps over the lazy dog. " * 3)
-    res = generate(m, [RowRequest(tuple(base), 12)] * 3, multinomial(), torch.Generator().manual_seed(0))
+    res = generate(m, [RowRequest(tuple(base), 12)] * 3,
+                   Decoding(multinomial(), torch.Generator().manual_seed(0)))
     rows = [list(r.tokens) for r in res]
     assert_close_to_fresh(m, rows)                                  # reused, forked
     assert_close_to_fresh(m, [r[:len(base) - 5] for r in rows])     # sliced back into the prompt
@@ -62,8 +63,8 @@ def test_random_extend_crop_fork_batch_is_exact(tiny, ops):
         elif op == "crop" and len(r) > 1:
             rows.append(r[: 1 + arg % (len(r) - 1)])
         elif op == "fork":
-            res = generate(tiny, [RowRequest(tuple(r), 3)] * 2, multinomial(),
-                           torch.Generator().manual_seed(arg))
+            res = generate(tiny, [RowRequest(tuple(r), 3)] * 2,
+                           Decoding(multinomial(), torch.Generator().manual_seed(arg)))
             rows.extend(list(x.tokens) for x in res)
         else:
             rows = rows[-4:]
@@ -72,10 +73,10 @@ def test_random_extend_crop_fork_batch_is_exact(tiny, ops):
 
 def test_continuing_prefills_only_new_tokens(fresh_tiny):
     m = fresh_tiny
-    first = generate(m, [RowRequest(tuple(m.encode("A long enough prompt for this")), 8)], greedy())[0]
+    first = generate(m, [RowRequest(tuple(m.encode("A long enough prompt for this")), 8)])[0]
     before = m.stats
     appended = m.encode(" and then")
-    generate(m, [RowRequest(first.tokens + tuple(appended), 4)], greedy())
+    generate(m, [RowRequest(first.tokens + tuple(appended), 4)])
     d = m.stats - before
     # the last generated token (never fed) plus the appended text minus its last token,
     # which the first decode step feeds
@@ -91,7 +92,7 @@ def test_shared_prefix_is_prefilled_once(fresh_tiny):
     questions = [m.encode(f" {w.title()}: what rhymes with {w}?") for w in words]
     assert len({q[0] for q in questions}) == 20, "questions must diverge right after the prefix"
     before = m.stats
-    generate(m, [RowRequest(tuple(system + q), 2) for q in questions], greedy())
+    generate(m, [RowRequest(tuple(system + q), 2) for q in questions])
     d = m.stats - before
     tails = sum(len(q) - 1 for q in questions)
     assert d.prefill_tokens == len(system) + tails
@@ -101,7 +102,8 @@ def test_fork_memory_is_prompt_plus_suffixes(fresh_tiny):
     m = fresh_tiny
     prompt = [100 + (i * 37) % 5000 for i in range(512)]
     before = m.stats
-    res = generate(m, [RowRequest(tuple(prompt), 32)] * 8, multinomial(), torch.Generator().manual_seed(1))
+    res = generate(m, [RowRequest(tuple(prompt), 32)] * 8,
+                   Decoding(multinomial(), torch.Generator().manual_seed(1)))
     d = m.stats - before
     assert d.prefill_tokens == 511                                   # the prompt, once
     per_token = m.num_layers * 2 * m.kv_heads * m.head_dim * 4
@@ -115,20 +117,20 @@ def test_a_kept_state_is_a_cache_not_a_lease(fresh_tiny):
     m = fresh_tiny
     per_token = m.num_layers * 2 * m.kv_heads * m.head_dim * 4
     m.store.budget_bytes = 200 * per_token
-    kept = generate(m, [RowRequest(tuple(m.encode("kept " * 60)), 8)], greedy())[0]
+    kept = generate(m, [RowRequest(tuple(m.encode("kept " * 60)), 8)])[0]
     assert m.stats.kv_bytes_held == len(kept.tokens[:-1]) * per_token    # live, stored
     for i in range(10):
-        generate(m, [RowRequest(tuple(m.encode(f"filler {i} " * 30)), 4)], greedy())
+        generate(m, [RowRequest(tuple(m.encode(f"filler {i} " * 30)), 4)])
         assert m.store.bytes_cached <= m.store.budget_bytes        # nothing exceeds it
     assert m.stats.live_evictions > 0 and not kept.handle.stored
     m.store.verify()
     before = m.stats
-    again = generate(m, [RowRequest(kept.tokens, 8)], greedy())[0]
+    again = generate(m, [RowRequest(kept.tokens, 8)])[0]
     used = m.stats - before
     assert used.recomputed_tokens == len(kept.tokens) - 1 == used.prefill_tokens
     m.store.clear()
     m.store.budget_bytes = 1 << 40                                  # room for everything
-    alone = generate(m, [RowRequest(kept.tokens, 8)], greedy())[0]
+    alone = generate(m, [RowRequest(kept.tokens, 8)])[0]
     assert again.tokens == alone.tokens
     assert_close_to_fresh(m, [list(again.tokens)])
     m.store.verify()
@@ -138,48 +140,43 @@ def test_finished_rows_stop_costing_compute(fresh_tiny):
     m = fresh_tiny
     p = tuple(m.encode("Count:"))
     before = m.stats
-    generate(m, [RowRequest(p, 1), RowRequest(p, 1), RowRequest(p, 1), RowRequest(p, 20)], greedy())
+    generate(m, [RowRequest(p, 1), RowRequest(p, 1), RowRequest(p, 1), RowRequest(p, 20)])
     assert (m.stats - before).decode_tokens == 3 + 20
 
 
 def test_stop_string_across_tokens(tiny):
     p = tuple(tiny.encode("x"))
-    free = generate(tiny, [RowRequest(p, 12)], greedy())[0]
+    free = generate(tiny, [RowRequest(p, 12)])[0]
     text = free.text
     stop = text[3:6]
     from seqstate.detokenize import StopMatcher
 
-    res = generate(tiny, [RowRequest(p, 12, stop=StopMatcher([stop]))], greedy())[0]
+    res = generate(tiny, [RowRequest(p, 12, stop=StopMatcher([stop]))])[0]
     assert res.finish_reason == "stop"
     assert res.text == text[: text.index(stop)]
     assert tiny.vocab.decode(res.tokens[res.start:]) == text[: text.index(stop) + len(stop)]
 
 
 @pytest.mark.parametrize("free", [64, 1])
-def test_a_small_forward_runs_on_one_thread_and_restores_the_callers_team(tiny, monkeypatch,
-                                                                          free):
-    """Decoding a short row runs torch single-threaded (waking a team costs more than its
-    attention saves); longer rows keep torch's threads where the CPUs are free and run on
-    the free ones where other processes hold the rest; the calling thread ends as it began."""
+def test_the_worker_runs_on_the_free_cpus_and_the_caller_keeps_its_threads(fresh_tiny,
+                                                                           monkeypatch, free):
+    """The scheduler's worker sets its thread policy once, as it starts: torch's threads,
+    cut to the CPUs no other process runs on; every forward it runs uses that many, and the
+    calling thread's own threads stay as they were."""
+    import seqstate as ss
     from seqstate.backends.hf import backend
-    from seqstate.backends.hf.backend import SERIAL_COLUMNS
 
     monkeypatch.setattr(backend, "free_cpus", lambda: free)
-    seen = []                         # torch's threads inside each decode forward
-    hook = tiny.hf_model.register_forward_pre_hook(
+    seen = []                         # torch's threads inside each forward
+    hook = fresh_tiny.hf_model.register_forward_pre_hook(
         lambda module, args: seen.append(torch.get_num_threads()))
     before = torch.get_num_threads()
-    short, long = tiny.encode("Hi there"), [100 + i % 500 for i in range(SERIAL_COLUMNS + 8)]
     try:
-        with torch.inference_mode(), tiny.frozen_store():   # a hooked model stores nothing
-            for rows in ([short], [long], [short, short]):
-                batch = tiny.backend.batch()
-                slots = batch.add(rows, 4)              # the prefill runs the decoder only
-                batch.forward(slots, [r[-1] for r in rows])
-                batch.close()
+        with fresh_tiny.frozen_store():                   # a hooked model stores nothing
+            ss.text(fresh_tiny)(["Hi there", "A longer prompt " * 40], max_tokens=3)
     finally:
         hook.remove()
-    assert seen == [1, min(before, free), 1]
+    assert seen and set(seen) == {min(before, free)}
     assert torch.get_num_threads() == before
 
 

@@ -23,8 +23,9 @@ ENGINE_MODEL_LAYER = ("model", "loader", "server", "serve")
 ENGINE_SHAPE = ("backend", "model", "loader")
 
 # The layers, from the bottom: a module imports only modules of its own layer or below
-# (DESIGN.md's values -> generation -> engine -> backends -> radix tree, with the pluggable
-# parts of a step and the protocols beside the tree, and the public surface on top).
+# (docs/concepts/architecture.md: values -> generation -> engine -> backends -> radix tree,
+# with the pluggable parts of a step and the protocols beside the tree, and the public
+# surface on top).
 LAYERS = [
     ("foundation", ["seqstate.errors", "seqstate.finish", "seqstate.radix",
                     "seqstate.detokenize", "seqstate.progress", "seqstate.indexing"]),

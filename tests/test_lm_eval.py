@@ -3,7 +3,7 @@
 The same `Instance`s go through ``lm_eval.models.huggingface.HFLM`` and `SeqStateLM` on the
 same weights: identical greedy flags, identical accuracy, and log-likelihoods equal to fp32
 noise (`assert_close`: per answer token, a multiple of the noise floor measured on this CPU).
-DESIGN.md's "within 1e-4" is not a bound these checks can keep on every CPU: one token's
+The performance target's "within 1e-4" is not a bound these checks can keep on every CPU: one token's
 log-prob alone moves by ~1e-4 between batch shapes on the tiny model.
 
 lm-eval is installed by ``make install`` with the rest of the suite's tools, so a missing or

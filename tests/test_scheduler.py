@@ -325,11 +325,12 @@ def test_next_logprobs_rows_share_the_running_calls_forward(fresh_tiny, monkeypa
     call's rows, and their distributions equal a fresh evaluation's."""
     from seqstate.engine.decode import DecodeJob
     from seqstate.engine.logprob_jobs import NextJob
+    from seqstate.engine.rows import Decoding
 
     m = fresh_tiny
     rows = [m.encode("Is the sky blue?"), m.encode("Grass is")]
     decoding = DecodeJob(m, [RowRequest(tuple(m.encode("Once upon a time")), max_new=8)],
-                         ss.greedy(), None, (), 0, lambda rows: ())
+                         Decoding(max_backtracks=0))
     reading = NextJob(rows)
     decoding.order, reading.order = 0, 1
     run = _Run(m.backend)

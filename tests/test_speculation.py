@@ -58,9 +58,8 @@ def test_greedy_output_and_logprobs_are_unchanged(engine, kind):
 
 
 def test_a_large_batch_drafts_as_it_decodes_one_token_at_a_time(tiny):
-    # 16 rows: the log-softmax runs beside the step on a helper thread into kept buffers,
-    # and each drafted position's rows are gathered into one (the rows' drafts differ in
-    # length once they reach the second key at different steps)
+    # 16 rows: each drafted position's rows are gathered into one kept tensor (the rows'
+    # drafts differ in length once they reach the second key at different steps)
     prompts = [f"Record {k}:" + " more" * (k % 3) for k in range(16)]
     plain, fast, used = both(ss.json(tiny, Customer), prompts, max_tokens=40)
     assert used.draft_tokens_accepted > 0

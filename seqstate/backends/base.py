@@ -32,9 +32,9 @@ import torch
 from seqstate.errors import CacheFullError, CapabilityError
 from seqstate.finish import FinishReason
 
-__all__ = ["Capabilities", "WorkCounters", "Handle", "Scored", "Token", "Batch", "Backend",
+__all__ = ["Capabilities", "WorkCounters", "Handle", "Scored", "Token", "Fed", "Batch", "Backend",
            "StepBackend", "RequestBackend", "CacheFullError",
-           "openmp", "single_threaded_torch", "free_cpus"]
+           "openmp", "torch_threads", "single_threaded_torch", "free_cpus"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,8 +60,7 @@ class Capabilities:
         the engine computes on CPU threads of its own; its ``on_worker_start`` then makes the
         sampling step (torch ops over a few rows of logits) run single-threaded on the
         scheduler's worker instead of waking torch's thread team to compete with the
-        engine's (measured on 2 cores: llama.cpp decode 10-20% slower per token with torch's
-        team spinning beside it).
+        engine's (a team spinning beside llama.cpp's threads slows its decode).
     """
 
     name: str
@@ -161,6 +160,25 @@ class Token:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fed:
+    """The logits `Batch.extend` returns: every fed token's as one tensor, in slot order or
+    not, and where each slot's rows are.  ``fed[j]`` is slot ``j``'s ``(len(feeds[j]), V)``
+    (a view), ``fed[a:b]`` the same for those slots only."""
+
+    logits: torch.Tensor             # (N, V)
+    starts: tuple[int, ...]          # per slot: its first row in ``logits``
+    lengths: tuple[int, ...]         # per slot: how many tokens it was fed
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, j: int | slice) -> torch.Tensor | Fed:
+        if isinstance(j, slice):
+            return Fed(self.logits, self.starts[j], self.lengths[j])
+        return self.logits[self.starts[j]: self.starts[j] + self.lengths[j]]
+
+
 @runtime_checkable
 class Batch(Protocol):
     """Working rows ("slots") that run together, one token per slot per forward.
@@ -183,11 +201,11 @@ class Batch(Protocol):
         """
         ...
 
-    def extend(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def extend(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]) -> Fed:
         """Feed ``feeds[j]`` (one or more tokens) to ``slots[j]``, all in one batch.
 
-        Returns, per slot, float32 logits ``(len(feeds[j]), V)``: the next-token logits after
-        each fed token.  Each slot's KV grows by ``len(feeds[j])``; speculation verifies a
+        Returns float32 logits of every fed token as one `Fed`: slot ``j``'s
+        ``(len(feeds[j]), V)`` are the next-token logits after each token it was fed.  Each slot's KV grows by ``len(feeds[j])``; speculation verifies a
         draft this way, then `truncate()` drops what the sampler did not accept.
         """
         ...
@@ -344,8 +362,8 @@ def openmp() -> ctypes.CDLL | None:
     return lib if hasattr(lib, "omp_set_num_threads") else None
 
 
-def single_threaded_torch() -> None:
-    """Make torch's ops on the calling thread alone single-threaded.
+def torch_threads(n: int) -> None:
+    """Make torch's ops on the calling thread alone run on at most ``n`` threads (at least 1).
 
     ``torch.set_num_threads`` would change every thread started later too; OpenMP's own
     ``omp_set_num_threads`` sets the calling thread's team size only.  torch sets it once per
@@ -354,7 +372,12 @@ def single_threaded_torch() -> None:
     torch.get_num_threads()
     omp = openmp()
     if omp is not None:
-        omp.omp_set_num_threads(1)
+        omp.omp_set_num_threads(max(1, min(n, omp.omp_get_max_threads())))
+
+
+def single_threaded_torch() -> None:
+    """Make torch's ops on the calling thread alone single-threaded (`torch_threads`)."""
+    torch_threads(1)
 
 
 def free_cpus() -> int:
@@ -362,9 +385,8 @@ def free_cpus() -> int:
     (at least 1): the kernel's count of runnable threads (``/proc/loadavg``) less this
     process's own.  A sample, not an average: ``os.getloadavg()`` lags by a minute, and an
     OpenMP team of more threads than free CPUs waits at every barrier for a thread the
-    scheduler has parked behind another process (2-thread forwards slow 5-10x beside two
-    busy processes on 2 cores, 1-thread ones hold).  Where ``/proc`` cannot be read, every
-    CPU counts as free."""
+    scheduler has parked behind another process.  Where ``/proc`` cannot be read, every CPU
+    counts as free."""
     cpus = len(os.sched_getaffinity(0))
     try:
         with open("/proc/loadavg") as f:

@@ -34,7 +34,7 @@ __all__ = ["score_pairs", "prefix_groups", "store_rows", "SCORE_BATCH_TOKENS", "
            "CHUNK"]
 
 SCORE_BATCH_TOKENS = 8192      # KV columns (rows x longest row) one scoring group holds
-LOGITS_BYTES = 1 << 28         # float32 logits alive at once: 256 MiB (1,365 positions of 49k)
+LOGITS_BYTES = 1 << 28         # float32 logits alive at once (bytes)
 CHUNK = 1024                   # most tokens fed to one row in one forward
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-import numpy as np
 import torch
 
 __all__ = ["Cursor", "Constraint"]
@@ -34,32 +33,11 @@ class Cursor(ABC):
         mask = self.allowed()
         return token < mask.shape[0] and bool(mask[token])
 
-    @property
-    def mask_known(self) -> bool:
-        """Whether ``allowed()`` is computed already: a greedy row whose best token this
-        cursor refuses then takes the best of its `allowed_ids` instead of trying its next
-        best tokens (where a grammar forces text only a few tokens are allowed).  False by
-        default."""
-        return False
-
-    def allowed_ids(self) -> np.ndarray:
-        """The ids ``allowed()`` allows, ascending (int64).  A greedy row whose best token a
-        cursor with its mask known refuses takes the best of these (a few where a grammar
-        forces text) instead of masking its whole row.  Cursors that keep their mask keep
-        these too."""
-        return np.flatnonzero(self.allowed().numpy())
-
     @classmethod
     def prepare(cls, cursors: list[Cursor]) -> None:
         """Compute the ``allowed`` masks of several cursors of this class together, before the
         engine asks each for its own (one step's rows).  Nothing by default: each computes
         its mask when asked."""
-
-    @classmethod
-    def prepare_allows(cls, cursors: list[Cursor]) -> None:
-        """Make ``allows`` cheap for several cursors of this class about to be asked it in one
-        step (a greedy step asks each row's cursor about its best token): where a cursor needs
-        its mask to answer, compute those masks together.  Nothing by default."""
 
     @abstractmethod
     def advance(self, token: int) -> Cursor | None:

@@ -1,7 +1,7 @@
 """Grammar constraints on llguidance: Lark grammars, and JSON schemas compiled to grammars.
 
 The grammar is compiled once into a pristine matcher; each row starts from a ``deep_copy`` of it
-(~1 us), and a cursor forks its matcher on every advance, so each generated token keeps its own
+(cheap), and a cursor forks its matcher on every advance, so each generated token keeps its own
 cursor and slicing back needs no rollback.  llguidance silently enters a permanent error state
 on a bad token, so ``advance`` checks and raises instead.  Parser limits bound the work of
 compiling and of each mask, so a pathological grammar fails or dead-ends instead of hanging.
@@ -161,7 +161,7 @@ class GrammarConstraint(Constraint):
 class GrammarCursor(Cursor):
     """An llguidance matcher owned by exactly one generated token; never advanced in place."""
 
-    __slots__ = ("constraint", "matcher", "_bits", "_mask", "_ids", "_draft", "_forced",
+    __slots__ = ("constraint", "matcher", "_bits", "_mask", "_draft", "_forced",
                  "_next", "__weakref__")
 
     def __init__(self, constraint: GrammarConstraint, matcher) -> None:
@@ -169,7 +169,6 @@ class GrammarCursor(Cursor):
         self.matcher = matcher
         self._bits: np.ndarray | None = None
         self._mask: torch.Tensor | None = None
-        self._ids: np.ndarray | None = None
         self._draft: tuple[int, ...] | None = None
         self._forced: bytes | None = None
         self._next: tuple[int, weakref.ref] | None = None    # the last advance, while it lives
@@ -197,25 +196,14 @@ class GrammarCursor(Cursor):
             self._keep(np.unpackbits(packed, bitorder="little"))
         return self._mask
 
-    def allowed_ids(self) -> np.ndarray:
-        """`allowed`'s ids, found once per cursor (shared: callers must not write to it)."""
-        if self._ids is None:
-            self.allowed()
-            self._ids = np.flatnonzero(self._bits)
-        return self._ids
-
     def forced(self) -> bytes:
         """The bytes the grammar forces next (llguidance's fast-forward bytes)."""
         if self._forced is None:
             self._forced = self.matcher.compute_ff_bytes()
         return self._forced
 
-    @property
-    def mask_known(self) -> bool:
-        return self._bits is not None
-
     def allows(self, token: int) -> bool:
-        """One token checked by the matcher (about a microsecond) unless the mask is known or
+        """One token checked by the matcher unless the mask is known or
         the grammar forces bytes: there the mask also refuses a token that spells only the
         start of a longer one the forced bytes make canonical (``h`` where ``hello``
         follows), which the matcher alone would take."""
@@ -241,13 +229,6 @@ class GrammarCursor(Cursor):
         bits = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")   # (n, 32 W)
         for c, row in zip(todo, bits):
             c._keep(row[: c.constraint.vocab_size].copy())   # its own: a cursor outlives the step
-
-    @classmethod
-    def prepare_allows(cls, cursors: list[GrammarCursor]) -> None:
-        """The masks of the cursors whose grammar forces bytes (``allows`` reads their mask),
-        in one parallel fill: a JSON object's forced key, asked of 64 rows one by one, took
-        ~100 us a row."""
-        cls.prepare([c for c in cursors if c._bits is None and c.forced()])
 
     def _keep(self, bits: np.ndarray) -> None:
         """Cache the unpacked mask ``bits`` (uint8, >= V), EOS allowed where accepting."""

@@ -25,10 +25,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from seqstate.backends.base import Fed
 from seqstate.engine.decode import FIRST_CAPACITY, commit
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.engine.job import Job, last_logits
-from seqstate.engine.step import allowed_mask
+from seqstate.engine.masks import allowed_mask
 from seqstate.finish import FinishReason
 from seqstate.sampling.params import BeamSearch
 
@@ -178,7 +179,7 @@ class BeamJob(Job):
     def wants(self) -> tuple[list[int], list[list[int]]]:
         return [b.slot for b in self.beams.live], [[b.row.tokens[-1]] for b in self.beams.live]
 
-    def step(self, batch, logits: torch.Tensor | list[torch.Tensor]) -> bool:
+    def step(self, batch, logits: torch.Tensor | Fed) -> bool:
         beams = self.beams
         found = candidates(last_logits(logits), beams.live, beams.k)
         survivors = beams.advance(found, lambda parent, row: commit(batch, parent.slot, row))

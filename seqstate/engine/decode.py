@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from seqstate.backends.base import CacheFullError
+from seqstate.backends.base import CacheFullError, Fed
 from seqstate.engine.buffers import StepBuffers
 from seqstate.engine.job import Job
-from seqstate.engine.rows import LiveRow, RowRequest, RowResult
-from seqstate.engine.step import DEFAULT_MAX_BACKTRACKS, Stepper
-from seqstate.sampling.params import Sampler
+from seqstate.engine.rows import Decoding, LiveRow, RowRequest, RowResult
+from seqstate.engine.runner import unobserved
+from seqstate.engine.step import Stepper
 
 __all__ = ["generate", "run", "commit", "DecodeJob", "FIRST_CAPACITY"]
 
@@ -25,21 +25,20 @@ def commit(batch, slot: int, row: LiveRow) -> RowResult:
 
 
 class DecodeJob(Job):
-    """One call's rows: sampled with the call's own sampler, RNG and hooks.
+    """One call's rows, decoded as its `Decoding` says (its own sampler, RNG and hooks).
 
     ``observe(rows)`` runs after every step (on the worker) and returns items for the caller,
     e.g. stream chunks; it must not keep references to the rows.
     """
 
-    def __init__(self, model, requests: Sequence[RowRequest], sampler: Sampler,
-                 rng: torch.Generator | None, hooks: Sequence, max_backtracks: int,
-                 observe: Callable[[list[LiveRow]], Sequence[Any]], speculate: bool = True) -> None:
+    def __init__(self, model, requests: Sequence[RowRequest], decoding: Decoding,
+                 observe: Callable[[list[LiveRow]], Sequence[Any]] = unobserved) -> None:
         super().__init__()
         self.model, self.requests, self.observe = model, requests, observe
-        self.speculate = speculate
+        self.speculate = decoding.speculate
         self.feeds: dict[int, list[int]] = {}
         self.rows = [LiveRow(req, model.vocab, model.eos_token_ids) for req in requests]
-        self.stepper = Stepper(model, requests, sampler, rng, hooks, max_backtracks, rows=self.rows)
+        self.stepper = Stepper(model, requests, decoding, rows=self.rows)
         self.results: dict[int, RowResult] = {}
 
     def needs(self) -> tuple[list[Sequence[int]], int]:
@@ -87,7 +86,7 @@ class DecodeJob(Job):
         room = row.req.max_new - (len(row.generated) - row.respelled) - 1
         return row.cursor.draft()[:room] if room > 0 else ()
 
-    def step(self, batch, logits: torch.Tensor | list[torch.Tensor]) -> bool:
+    def step(self, batch, logits: torch.Tensor | Fed) -> bool:
         # position j of every row still following its draft: sample, run hooks, accept; a row
         # stops at the first token that differs from its draft (a sampler's own choice, a
         # hook's replacement or rollback, or the end of the row)
@@ -95,13 +94,13 @@ class DecodeJob(Job):
         if isinstance(logits, torch.Tensor):         # no draft this step: a row per live row
             self.stepper.step(logits, live)
         else:
-            mine = dict(zip(live, logits))
+            start = dict(zip(live, logits.starts))  # row -> its first row in logits.logits
             following, j, accepted = live, 0, 0
             while following:
                 # hooks' events carry the logits (a hook may keep them): not a kept tensor
                 into = None if self.stepper.hooks else self.stepper.buffers
-                events = self.stepper.step(_rows([mine[i][j] for i in following], into),
-                                           following)
+                index = [start[i] + j for i in following]
+                events = self.stepper.step(_gather(logits.logits, index, into), following)
                 kept = {ev.row for ev in events if ev.token is not None and not ev.rolled_back
                         and not self.rows[ev.row].done and j + 1 < len(self.feeds[ev.row])
                         and ev.token == self.feeds[ev.row][j + 1]}
@@ -127,43 +126,34 @@ class DecodeJob(Job):
         return False
 
 
-def _rows(rows: list[torch.Tensor], buffers: StepBuffers | None) -> torch.Tensor:
-    """The rows (V,) of a draft step's logits at one position as one (B, V) tensor: a view
-    where they are already consecutive rows of one tensor (rows side by side that were fed
-    one token each, or a single row), else a copy into ``buffers``' kept tensor (a new one
-    each position would cost its page faults; a strided view, the copy that the
-    log-softmax and NumPy's argmax make of it), or a new one where ``buffers`` is None.  A
-    step without drafts never comes here: its jobs get the forward's (B, V) tensor as it is."""
-    first = rows[0]
-    step = first.shape[0] * first.element_size()
-    base, storage = first.data_ptr(), first.untyped_storage().data_ptr()
-    if first.stride(0) == 1 and all(r.data_ptr() == base + k * step
-                                    and r.untyped_storage().data_ptr() == storage
-                                    for k, r in enumerate(rows)):
-        return first.as_strided((len(rows), first.shape[0]), (first.shape[0], 1))
+def _gather(logits: torch.Tensor, index: list[int], buffers: StepBuffers | None
+            ) -> torch.Tensor:
+    """Rows ``index`` of ``logits`` (N, V): a view where they are consecutive, else a copy,
+    into ``buffers``' kept tensor unless ``buffers`` is None."""
+    first = index[0]
+    if index == list(range(first, first + len(index))):
+        return logits[first: first + len(index)]                                     # (B, V)
+    where = torch.tensor(index, device=logits.device)
     if buffers is None:
-        return torch.stack(rows)                                                    # (B, V)
-    return torch.stack(rows, out=buffers.tensor("stacked", first[None], len(rows)))  # (B, V)
+        return logits.index_select(0, where)                                         # (B, V)
+    out = buffers.tensor("stacked", logits, len(index))
+    return torch.index_select(logits, 0, where, out=out)                             # (B, V)
 
 
-def run(model, requests: Sequence[RowRequest], sampler: Sampler,
-        rng: torch.Generator | None, hooks: Sequence = (),
-        max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
-        observe: Callable[[list[LiveRow]], Sequence[Any]] = lambda rows: (),
-        speculate: bool = True) -> Generator[Any, None, list[RowResult]]:
+def run(model, requests: Sequence[RowRequest], decoding: Decoding = Decoding(),
+        observe: Callable[[list[LiveRow]], Sequence[Any]] = unobserved
+        ) -> Generator[Any, None, list[RowResult]]:
     """Continue every row on ``model``'s runner (its scheduler, sharing decode steps with
-    concurrent calls, or its server's requests).
+    concurrent calls, or its server's requests), decoded as ``decoding`` says.
 
     Yields what ``observe`` returns after each step; returns the results.  Nothing visible
     outside is mutated: new KV goes into new stored KV, and an exception leaves every
     existing state as it was.
     """
-    return model.runner.run(requests, sampler, rng, hooks, max_backtracks, observe, speculate)
+    return model.runner.run(requests, decoding, observe)
 
 
-def generate(model, requests: Sequence[RowRequest], sampler: Sampler,
-             rng: torch.Generator | None = None, hooks: Sequence = (),
-             max_backtracks: int = DEFAULT_MAX_BACKTRACKS, speculate: bool = True
+def generate(model, requests: Sequence[RowRequest], decoding: Decoding = Decoding()
              ) -> list[RowResult]:
     """Continue every row to completion; see `run()`."""
-    return model.runner.generate(requests, sampler, rng, hooks, max_backtracks, speculate)
+    return model.runner.generate(requests, decoding)

@@ -10,13 +10,17 @@ from typing import Any
 
 import torch
 
+from seqstate.backends.base import Fed
+
 __all__ = ["Job", "last_logits"]
 
 
-def last_logits(logits: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+def last_logits(logits: torch.Tensor | Fed) -> torch.Tensor:
     """A job's logits at each slot's last fed token, ``(n, V)``: the tensor itself when every
-    slot was fed one token, else each slot's last row stacked."""
-    return logits if isinstance(logits, torch.Tensor) else torch.stack([lg[-1] for lg in logits])
+    slot was fed one token, else each slot's last row."""
+    if isinstance(logits, torch.Tensor):
+        return logits
+    return logits.logits[[s + n - 1 for s, n in zip(logits.starts, logits.lengths)]]  # (n, V)
 
 
 class Job:
@@ -57,7 +61,7 @@ class Job:
         """``(slots, feeds)`` to feed this step: one or more tokens per slot."""
         raise NotImplementedError
 
-    def step(self, batch, logits: torch.Tensor | list[torch.Tensor]) -> bool:
+    def step(self, batch, logits: torch.Tensor | Fed) -> bool:
         """Consume this job's logits, ``(len(feeds[j]), V)`` per slot, or one ``(n, V)``
         tensor, a row per slot, when every slot of the step was fed one token (see
         `last_logits`); True when finished."""

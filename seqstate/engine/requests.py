@@ -36,13 +36,13 @@ from seqstate.constraints import spec as keys
 from seqstate.constraints.base import Cursor
 from seqstate.constraints.healing import MAX_HEAL_TOKENS
 from seqstate.engine.beam import Beams
-from seqstate.engine.rows import LiveRow, RowRequest, RowResult
+from seqstate.engine.rows import Decoding, LiveRow, RowRequest, RowResult
 from seqstate.engine.runner import unobserved
-from seqstate.engine.step import allowed_mask
+from seqstate.engine.masks import allowed_mask
 from seqstate.engine.waiting import BLOCKING, PAUSE, POLL_SECONDS, Caller
 from seqstate.errors import CapabilityError, EngineError
 from seqstate.finish import FinishReason
-from seqstate.hooks import (DEFAULT_MAX_BACKTRACKS, TOP_TOKENS, Hook, Replace, Rollback,
+from seqstate.hooks import (TOP_TOKENS, Hook, Replace, Rollback,
                             SampleEvent, as_hook, checked)
 from seqstate.sampling.params import BeamSearch, Greedy, Sampler
 
@@ -115,19 +115,16 @@ class RequestRunner:
     def __init__(self, model) -> None:
         self.model = model
 
-    def run(self, requests: Sequence[RowRequest], sampler: Sampler,
-            rng: torch.Generator | None, hooks: Sequence = (),
-            max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
+    def run(self, requests: Sequence[RowRequest], decoding: Decoding = Decoding(),
             observe: Callable[[list[LiveRow]], Sequence[Any]] = unobserved,
-            speculate: bool = True, caller: Caller = BLOCKING
-            ) -> Generator[Any, None, list[RowResult]]:
+            caller: Caller = BLOCKING) -> Generator[Any, None, list[RowResult]]:
         """Continue every row by server requests; yields what ``observe`` returns as tokens
         arrive (and `PAUSE` to an awaiting ``caller`` while none has), returns the results.
         Closing the generator early (a cancelled call) or the caller's deadline closes every
         request of the call, which aborts it on the server.  A failed request (the server
         unreachable, dead, refusing) raises its typed error after every other request of the
-        call is closed; no state changes.  ``speculate`` changes nothing: the server drafts on
-        its own.
+        call is closed; no state changes.  ``decoding.speculate`` changes nothing: the server
+        drafts on its own.
 
         With ``hooks``, each row is a request of its own and its hooks see every streamed
         token (``event.logits`` is None: the server sends the token's log-prob only).  At a
@@ -137,8 +134,9 @@ class RequestRunner:
         step does), a replacement is appended as given."""
         model = self.model
         backend, engine = model.backend, model.engine
-        hooks = tuple(as_hook(h) for h in hooks)
-        work = self._requests(requests, sampler, rng, grouped=not hooks)
+        sampler, max_backtracks = decoding.sampler, decoding.max_backtracks
+        hooks = tuple(as_hook(h) for h in decoding.hooks)
+        work = self._requests(requests, sampler, decoding.rng, grouped=not hooks)
         rows = [LiveRow(req, model.vocab, model.eos_token_ids) for req in requests]
         events: queue.SimpleQueue = queue.SimpleQueue()
         stop = threading.Event()
@@ -216,12 +214,10 @@ class RequestRunner:
                 row.finish(FinishReason.MAX_TOKENS)
         return [_result(backend, row) for row in rows]
 
-    def generate(self, requests: Sequence[RowRequest], sampler: Sampler,
-                 rng: torch.Generator | None = None, hooks: Sequence = (),
-                 max_backtracks: int = DEFAULT_MAX_BACKTRACKS, speculate: bool = True
+    def generate(self, requests: Sequence[RowRequest], decoding: Decoding = Decoding()
                  ) -> list[RowResult]:
         """`run` to its end: the results."""
-        steps = self.run(requests, sampler, rng, hooks, max_backtracks, speculate=speculate)
+        steps = self.run(requests, decoding)
         while True:
             try:
                 next(steps)

@@ -1,17 +1,61 @@
-"""What the engine takes and returns per row, and its per-row bookkeeping during a call."""
+"""What the engine takes per call and per row, what it returns per row, and its per-row
+bookkeeping during a call."""
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections.abc import Callable
 from functools import cached_property
+
+import torch
 
 from seqstate.constraints.base import Cursor
 from seqstate.detokenize import IncrementalDecoder, StopMatcher, TokenVocabulary
 from seqstate.finish import FinishReason
 from seqstate.backends.base import Handle
+from seqstate.hooks import DEFAULT_MAX_BACKTRACKS
+from seqstate.sampling.params import Greedy, Sampler
 
-__all__ = ["RowRequest", "RowResult", "LiveRow"]
+__all__ = ["Decoding", "RowRequest", "RowResult", "LiveRow"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decoding:
+    """How one call's rows are decoded, handed whole from the call down to its `Stepper`.
+
+    What differs per row (token budget, stop strings, constraint cursor, healing) travels in
+    each `RowRequest`; a hook's bans live on the row.
+
+    Attributes
+    ----------
+    sampler : Sampler
+        Picks each token from the masked logits (``ss.greedy()`` by default).
+    rng : torch.Generator or None
+        The call's own random generator (a seeded call's).
+    hooks : tuple of callables
+        Post-sampling hooks, run in order on every sampled token.
+    max_backtracks : int
+        Resamples and rollbacks hooks may ask per row before it finishes.
+    speculate : bool
+        Verify the tokens a constraint forces in one forward, where the engine can.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> from seqstate.engine import Decoding
+    >>> Decoding(ss.multinomial(), hooks=[print]).hooks
+    (<built-in function print>,)
+    """
+
+    sampler: Sampler = Greedy()
+    rng: torch.Generator | None = None
+    hooks: tuple[Callable, ...] = ()
+    max_backtracks: int = DEFAULT_MAX_BACKTRACKS
+    speculate: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hooks", tuple(self.hooks))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

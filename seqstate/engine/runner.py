@@ -16,10 +16,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from seqstate.backends.base import Handle, Scored
-from seqstate.engine.rows import LiveRow, RowRequest, RowResult
+from seqstate.engine.rows import Decoding, LiveRow, RowRequest, RowResult
 from seqstate.engine.waiting import BLOCKING, Caller
-from seqstate.hooks import DEFAULT_MAX_BACKTRACKS
-from seqstate.sampling.params import BeamSearch, Sampler
+from seqstate.sampling.params import BeamSearch
 
 __all__ = ["Runner", "unobserved"]
 
@@ -41,23 +40,18 @@ class Runner(Protocol):
     True
     """
 
-    def run(self, requests: Sequence[RowRequest], sampler: Sampler,
-            rng: torch.Generator | None, hooks: Sequence = (),
-            max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
+    def run(self, requests: Sequence[RowRequest], decoding: Decoding = Decoding(),
             observe: Callable[[list[LiveRow]], Sequence[Any]] = unobserved,
-            speculate: bool = True, caller: Caller = BLOCKING
-            ) -> Generator[Any, None, list[RowResult]]:
-        """Continue every row (sampled with ``sampler`` and ``rng``, run through ``hooks``);
-        yields what ``observe`` returns as the rows advance, returns one result per row.
+            caller: Caller = BLOCKING) -> Generator[Any, None, list[RowResult]]:
+        """Continue every row as ``decoding`` says (its sampler, RNG, hooks; its
         ``speculate``: verify the tokens a constraint forces in one forward, where the
-        engine can.  ``caller``: its deadline (past it, `CallTimeout`), and whether it
-        awaits in an event loop (then `PAUSE` is yielded while there is nothing new).
-        Closing the generator early ends the call's rows at the engine's next step."""
+        engine can); yields what ``observe`` returns as the rows advance, returns one result
+        per row.  ``caller``: its deadline (past it, `CallTimeout`), and whether it awaits in
+        an event loop (then `PAUSE` is yielded while there is nothing new).  Closing the
+        generator early ends the call's rows at the engine's next step."""
         ...
 
-    def generate(self, requests: Sequence[RowRequest], sampler: Sampler,
-                 rng: torch.Generator | None = None, hooks: Sequence = (),
-                 max_backtracks: int = DEFAULT_MAX_BACKTRACKS, speculate: bool = True
+    def generate(self, requests: Sequence[RowRequest], decoding: Decoding = Decoding()
                  ) -> list[RowResult]:
         """`run` to its end: the results."""
         ...

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from seqstate.backends.base import CacheFullError
+from seqstate.backends.base import CacheFullError, Fed
 from seqstate.engine.job import Job
 from seqstate.errors import ContextOverflowError
 
@@ -69,7 +69,7 @@ class _Run:
                     self.blocked = False
 
     def _forward(self, wants: dict[Job, tuple[list[int], list[list[int]]]]
-                 ) -> torch.Tensor | list[torch.Tensor]:
+                 ) -> torch.Tensor | Fed:
         """Logits for every running job's feeds (as `Job.step` takes them), pausing the newest
         jobs while they do not fit.  Any other exception is no one job's: it propagates (the
         worker resets the batch)."""

@@ -42,12 +42,11 @@ from seqstate.engine.beam import BeamJob
 from seqstate.engine.buffers import shared_buffers
 from seqstate.engine.decode import DecodeJob
 from seqstate.engine.job import Job
-from seqstate.engine.rows import LiveRow, RowRequest, RowResult
+from seqstate.engine.rows import Decoding, LiveRow, RowRequest, RowResult
 from seqstate.engine.runner import unobserved
 from seqstate.engine.running import _Run
 from seqstate.engine.waiting import BLOCKING, PAUSE, POLL_SECONDS, Caller
-from seqstate.hooks import DEFAULT_MAX_BACKTRACKS
-from seqstate.sampling.params import BeamSearch, Sampler
+from seqstate.sampling.params import BeamSearch
 
 __all__ = ["Job", "Scheduler", "IDLE_SECONDS", "POLL_SECONDS"]
 
@@ -110,25 +109,18 @@ class Scheduler:
                 return stop.value
 
     # -- a model's calls -----------------------------------------------------------------------
-    def run(self, requests: Sequence[RowRequest], sampler: Sampler,
-            rng: torch.Generator | None, hooks: Sequence = (),
-            max_backtracks: int = DEFAULT_MAX_BACKTRACKS,
+    def run(self, requests: Sequence[RowRequest], decoding: Decoding = Decoding(),
             observe: Callable[[list[LiveRow]], Sequence[Any]] = unobserved,
-            speculate: bool = True, caller: Caller = BLOCKING
-            ) -> Generator[Any, None, list[RowResult]]:
+            caller: Caller = BLOCKING) -> Generator[Any, None, list[RowResult]]:
         """Continue every row (a `DecodeJob`), sharing decode steps with concurrent calls;
         yields what ``observe`` returns after each step (and `PAUSE` to an awaiting
         ``caller``), returns the results."""
-        return self.execute(DecodeJob(self.model, requests, sampler, rng, hooks,
-                                      max_backtracks, observe, speculate), caller)
+        return self.execute(DecodeJob(self.model, requests, decoding, observe), caller)
 
-    def generate(self, requests: Sequence[RowRequest], sampler: Sampler,
-                 rng: torch.Generator | None = None, hooks: Sequence = (),
-                 max_backtracks: int = DEFAULT_MAX_BACKTRACKS, speculate: bool = True
+    def generate(self, requests: Sequence[RowRequest], decoding: Decoding = Decoding()
                  ) -> list[RowResult]:
         """`run` to its end: the results."""
-        return self.run_job(DecodeJob(self.model, requests, sampler, rng, hooks,
-                                      max_backtracks, unobserved, speculate))
+        return self.run_job(DecodeJob(self.model, requests, decoding))
 
     def beam(self, groups: Sequence[Sequence[tuple[RowRequest, float, int]]],
              params: BeamSearch, on_step: Callable[[], None] | None = None,

@@ -139,8 +139,7 @@ class Generator:
             if bar is not None:
                 observe = counting(observe, bar)
             results = yield from self.model.runner.run(
-                requests, call.sampler, call.generator(self.model.device), call.hooks,
-                call.max_backtracks, observe, call.speculate, caller)
+                requests, call.decoding(self.model.device), observe, caller)
         rows = [self._row(r, res, st, h, call.name)
                 for r, res, st, h in zip(state.rows, results, span_starts, healed)]
         return SequenceState(self.model, tuple(rows), state.n_batch, state.n_samples)

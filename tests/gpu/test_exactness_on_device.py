@@ -5,7 +5,7 @@ exercised everywhere.  The model is the tiny random Llama in float32, on the dev
 References: Hugging Face ``generate`` on the same device, the CPU engine in float32 (the same
 weights), and a fresh full forward.  Two devices' float32 logits differ in the last bits, so
 where two token sequences part, the reference must show a tie within the exactness bound
-(DESIGN.md: 1e-3 on logits) between the two tokens at that position; anything else fails.
+(docs/engines.md: 1e-3 on logits) between the two tokens at that position; anything else fails.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import seqstate as ss
 from conftest import hf_generate
 
-TIE = 1e-3        # DESIGN.md's exactness bound on logits, between devices and paths
+TIE = 1e-3        # the exactness bound on logits (docs/engines.md), between devices and paths
 PROMPTS = ["Hello there, my name is", "The capital of France"]
 
 

@@ -14,26 +14,14 @@ from typing import Any
 import torch
 
 from seqstate.backends.base import (Capabilities, Scored, StepBackend, WorkCounters, free_cpus,
-                                    openmp)
+                                    torch_threads)
 from seqstate.backends.hf.batch import HFBatch
 from seqstate.backends.hf.guard import HookGuard
 from seqstate.backends.hf.store import DEFAULT_BUDGET_BYTES, KVStore
 from seqstate.backends.hf.packed import score_packed
 from seqstate.backends.teacher_forcing import score_pairs
 
-__all__ = ["HFBackend", "SERIAL_TOKENS", "SERIAL_COLUMNS"]
-
-# The thread policy of every forward.  A forward this small runs on one thread: it feeds at
-# most SERIAL_TOKENS tokens over at most SERIAL_COLUMNS (rows x KV columns).  Its only
-# parallel regions are attention over a few short rows (~20 us a layer on one thread here),
-# about what handing half to a second thread costs.  And once a second thread (the caller's)
-# has run torch, each keeps an OpenMP team, and libgomp, then managing more threads than CPUs,
-# lets idle team members sleep instead of spin: the worker's decode paid a wake-up for each of
-# its ~2 regions a layer.  A larger forward runs on the thread's team, cut to the CPUs no
-# other process is running on at that moment (`free_cpus`): a team member parked behind a
-# busy process stalls every barrier of the forward.
-SERIAL_TOKENS = 4
-SERIAL_COLUMNS = 512
+__all__ = ["HFBackend"]
 
 
 class HFBackend(StepBackend):
@@ -71,7 +59,7 @@ class HFBackend(StepBackend):
                  kv_budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
         self.hf_model = hf_model
         # where the model is, read off its first parameter, looked up by name each time (a
-        # move may replace the parameter): `hf_model.device` costs ~6 us, several times a step
+        # move may replace the parameter): cheaper than `hf_model.device`, asked every step
         first, _ = next(hf_model.named_parameters())
         owner, _, self._anchor_name = first.rpartition(".")
         self._anchor_owner = hf_model.get_submodule(owner)
@@ -85,7 +73,6 @@ class HFBackend(StepBackend):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.context_length = int(getattr(cfg, "max_position_embeddings", None) or 2048)
         self._decoder = hf_model.get_decoder()
-        self._omp = openmp()
 
     # -- the network --------------------------------------------------------------------------
     @property
@@ -100,7 +87,7 @@ class HFBackend(StepBackend):
     @property
     def dtype(self) -> torch.dtype:
         # the first parameter's, where it is a float (transformers' `dtype` walks the
-        # parameters for the first float one: ~10 us, several times a call)
+        # parameters for the first float one, several times a call)
         dtype = getattr(self._anchor_owner, self._anchor_name).dtype
         return dtype if dtype.is_floating_point else self.hf_model.dtype
 
@@ -115,8 +102,7 @@ class HFBackend(StepBackend):
         ``position_ids`` None: every row's positions are the cache's length on (the model's
         own).  ``logits=False`` skips the LM head (prefill); a ``(B, k)`` tensor of positions
         gives those positions' (B, k, V), a ``(B, T)`` boolean tensor its True positions'
-        (N, V), row by row.  Runs in inference mode (entered here where it is not already on:
-        each entry costs ~10 us after a forward).
+        (N, V), row by row.  Runs in inference mode (entered here where it is not already on).
         Refused (`seqstate.ActivationHookError`) on a hooked model outside ``frozen_store()``.
         """
         if not torch.is_inference_mode_enabled():
@@ -127,27 +113,20 @@ class HFBackend(StepBackend):
         self.counters["forward_calls"] += 1
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids, past_key_values=cache, use_cache=True)
-        rows, new = input_ids.shape
-        threads = team = 0
-        if self._omp is not None:
-            torch.get_num_threads()               # torch sizes this thread's team lazily: first
-            threads = team = self._omp.omp_get_max_threads()
-            if team > 1:
-                small = (rows * new <= SERIAL_TOKENS
-                         and rows * (cache.get_seq_length() + new) <= SERIAL_COLUMNS)
-                threads = 1 if small else min(team, free_cpus())
-            if threads < team:
-                self._omp.omp_set_num_threads(threads)  # this thread's team only, until restored
-        try:
-            if logits is False:
-                self._decoder(**kwargs)                            # prefill: skip the LM head
-                return None
-            if logits is True:
-                return _float(self.hf_model(**kwargs, logits_to_keep=1).logits[:, -1])  # (B, V)
-            return _float(self.hf_model(**kwargs, logits_to_keep=logits).logits)  # (B, k, V) | (N, V)
-        finally:
-            if threads < team:
-                self._omp.omp_set_num_threads(team)
+        if logits is False:
+            self._decoder(**kwargs)                                    # prefill: skip the LM head
+            return None
+        if logits is True:
+            return _float(self.hf_model(**kwargs, logits_to_keep=1).logits[:, -1])      # (B, V)
+        return _float(self.hf_model(**kwargs, logits_to_keep=logits).logits)  # (B, k, V) | (N, V)
+
+    def on_worker_start(self) -> None:
+        """The CPU thread policy, set once per scheduler worker: its forwards run on torch's
+        threads, but on no more than the CPUs no other process was running on as it started
+        (`free_cpus`): a team member parked behind a busy process stalls every barrier of a
+        forward.  Nothing off the CPU."""
+        if self.device.type == "cpu":
+            torch_threads(free_cpus())
 
     @torch.inference_mode()
     def fresh_logits(self, tokens: Sequence[int]) -> torch.Tensor:

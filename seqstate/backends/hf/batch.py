@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from seqstate.backends.base import Fed
 from seqstate.backends.hf.buffer import KVBuffer
 from seqstate.backends.hf.cache import Cache, as_cache
 from seqstate.backends.hf.prefill import Network, ensure_kv
@@ -47,7 +48,6 @@ class HFBatch:
         self.frozen: list[int | None] = []   # per buffer row: its first col fed while frozen
         self.padded = False                  # False while no row needs a mask
         self._dropped = False                # a truncate since the last forward: see _reclaim
-        self._ones_from: int | None = None   # mask columns from here on: 1 in every row, unwritten
         self._next_slot = 0
         self._cache: tuple[torch.Tensor, Cache] | None = None  # the buffer's, on its memory
 
@@ -61,7 +61,6 @@ class HFBatch:
         """New buffer rows holding each handle's KV (soft handles kept as their bases)."""
         need = max(h.length for h in handles)
         b = self.backend
-        self._fill_mask()
         if self.buf is None:
             self.buf = KVBuffer(b.num_layers, b.kv_heads, b.head_dim, len(handles), need + grow_by,
                                 b.dtype, b.device)
@@ -94,7 +93,6 @@ class HFBatch:
 
     def fork(self, slot: int) -> int:
         row = self.row_of[slot]
-        self._fill_mask()
         self._grow(1, self.buf.capacity)
         new = len(self.bases)
         self.buf.data[:, :, new] = self.buf.data[:, :, row]
@@ -115,7 +113,7 @@ class HFBatch:
 
     def close(self) -> None:
         self.buf, self._cache = None, None    # the buffer is freed; stored KV stays
-        self.mask, self._ones_from = torch.zeros(0, 0, dtype=torch.long), None
+        self.mask = torch.zeros(0, 0, dtype=torch.long)
         self._dropped = False
         self.row_of.clear()
         self.bases, self.cols, self.junk, self.first, self.frozen = [], [], [], [], []
@@ -123,7 +121,6 @@ class HFBatch:
     # -- the buffer's shape -------------------------------------------------------------------
     def _grow(self, rows: int, capacity: int) -> None:
         """Room for ``rows`` more buffer rows and ``capacity`` columns."""
-        self._fill_mask()
         self.buf.ensure(capacity)
         self.buf.add_rows(rows)
         shape = (self.buf.rows, self.buf.capacity)
@@ -133,7 +130,6 @@ class HFBatch:
 
     def _shift(self, delta: int) -> None:
         """Move every column right by ``delta`` (a newcomer's prefix is longer than the past)."""
-        self._fill_mask()
         self.buf.shift(delta)
         grown = self.mask.new_zeros(self.buf.rows, self.buf.capacity)
         grown[:, delta: delta + self.mask.shape[1]] = self.mask[:, : self.buf.capacity - delta]
@@ -144,7 +140,6 @@ class HFBatch:
 
     def _compact(self) -> None:
         """Drop released rows, and leading columns no live row uses (a copy, amortised)."""
-        self._fill_mask()
         keep = sorted(self.row_of.values())
         index = torch.tensor(keep, dtype=torch.long)
         self.buf.keep_rows(index)
@@ -177,13 +172,13 @@ class HFBatch:
             return logits
         return logits[rows]                                                             # (N, V)
 
-    def extend(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def extend(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]) -> Fed:
         fed = {self.row_of[s]: list(f) for s, f in zip(slots, feeds)}
         logits = self._feed(fed, max(map(len, feeds)), "fed")                # (N, V), by row
         at, n = {}, 0
         for r in sorted(fed):
             at[r], n = n, n + len(fed[r])
-        return [logits[at[r]: at[r] + len(fed[r])] for r in (self.row_of[s] for s in slots)]
+        return Fed(logits, tuple(at[self.row_of[s]] for s in slots), tuple(map(len, feeds)))
 
     def _feed(self, fed: dict[int, list[int]], k: int, which: str) -> torch.Tensor:
         """One forward of ``k`` new columns: buffer row ``r`` gets ``fed[r]`` then junk;
@@ -200,7 +195,6 @@ class HFBatch:
         col = buf.length
         for r in fed:
             if self.junk[r]:                      # a row fed again forgets the steps it sat out
-                self._fill_mask()
                 self.mask[r, self.junk[r]] = 0
                 self.junk[r].clear()
                 self.padded = True
@@ -211,8 +205,8 @@ class HFBatch:
         # model's own positions (the cache's length on) are these: none are fed
         own = which == "last" and all(s == col for s in starts)
         # each row's tokens, their positions and (for "fed") which of them give logits: one
-        # (1 to 3, B, k) tensor made from a flat array (~10x faster than from nested lists at
-        # 64 rows), one copy to the device
+        # (1 to 3, B, k) tensor made from a flat array (torch reads nested lists element by
+        # element), one copy to the device
         flat = array("q")
         for r in rows:
             flat.extend((fed.get(r, []) + [pad] * k)[:k])
@@ -229,14 +223,9 @@ class HFBatch:
             ids, pos, keep = inputs.view(buf.rows, k), None, []
         else:
             ids, pos, *keep = inputs.view(-1, buf.rows, k)
-        # every row's new columns are attended to; written only where a row needs a mask
-        # (after a forward each operation costs ~10 us), else from the first such column on
-        # when one first does
-        if self.padded:
-            self._fill_mask()
-            self.mask[:, col: col + k] = 1
-        elif self._ones_from is None:
-            self._ones_from = col
+        # every row's new columns are attended to; the mask goes to the model only where a
+        # row needs one
+        self.mask[:, col: col + k] = 1
         step_mask = self.mask[:, : col + k].to(device) if self.padded else None
         if backend.store.frozen:              # before the forward: what it computes is scratch
             for r in fed:
@@ -256,16 +245,9 @@ class HFBatch:
         backend.counters["decode_tokens"] += sum(map(len, fed.values()))
         return logits
 
-    def _fill_mask(self) -> None:
-        """Write the mask's unwritten columns (1 in every row) before it is read or changed."""
-        if self._ones_from is not None:
-            self.mask[:, self._ones_from: self.buf.length] = 1
-            self._ones_from = None
-
     def truncate(self, slot: int, length: int) -> None:
         row = self.row_of[slot]
         keep = length - self.bases[row].length
-        self._fill_mask()
         self.mask[row, self.cols[row][keep:]] = 0
         del self.cols[row][keep:]
         if self.frozen[row] is not None and self.frozen[row] >= keep:
@@ -275,15 +257,14 @@ class HFBatch:
     def _reclaim(self) -> None:
         """Give back the buffer's last columns where no live row uses them (a rejected draft
         or a rollback at the end of every row): the next forward writes there again, and
-        where no live row has a hole below them, the forwards go on without a mask (at one
-        row a mask made every later forward ~20% slower).  Holes below stay masked."""
+        where no live row has a hole below them, the forwards go on without a mask (a masked
+        forward costs more than one without).  Holes below stay masked."""
         self._dropped = False
         rows = list(self.row_of.values())
         top = max(self.cols[r][-1] + 1 if self.cols[r] else self.first[r] + self.bases[r].length
                   for r in rows)
         if top >= self.buf.length:
             return
-        self._fill_mask()
         self.buf.length = top
         self.junk = [[c for c in cs if c < top] for cs in self.junk]
         self.padded = not bool(self.mask[rows, :top].all())        # the live rows' (host) mask

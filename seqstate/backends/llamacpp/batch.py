@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -9,6 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
+from seqstate.backends.base import Fed
 from seqstate.backends.llamacpp.store import SeqHandle, SeqStore
 from seqstate.errors import ContextOverflowError
 
@@ -105,11 +107,11 @@ class LlamaCppBatch:
 
     def forward(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         """Feed ``tokens[j]`` to ``slots[j]`` in one ``llama_decode``; logits (len(slots), V)."""
-        return torch.cat(self.extend(slots, [[t] for t in tokens]))
+        return self.extend(slots, [[t] for t in tokens]).logits
 
-    def extend(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def extend(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]) -> Fed:
         """Feed ``feeds[j]`` to ``slots[j]`` in one ``llama_decode`` (chunks of ``n_batch``);
-        logits ``(len(feeds[j]), V)`` per slot."""
+        logits ``(len(feeds[j]), V)`` per slot, in slot order."""
         with self._backend.guarded():
             if len(slots) != len(feeds) or len(set(slots)) != len(slots) \
                     or not all(len(f) for f in feeds):
@@ -134,7 +136,8 @@ class LlamaCppBatch:
             for s, f in zip(rows, feeds):
                 s.length += len(f)
             self._backend.count(decode_tokens=len(tokens))
-            return list(logits.split([len(f) for f in feeds]))
+            lengths = tuple(map(len, feeds))
+            return Fed(logits, tuple(itertools.accumulate(lengths, initial=0))[:-1], lengths)
 
     def length(self, slot: int) -> int:
         return self._slot(slot).length

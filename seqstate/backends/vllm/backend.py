@@ -212,7 +212,7 @@ class VllmBackend(RequestBackend):
         over the vocabulary; None: all), best first, with their raw log-probs.  Exact in
         every case: up to 128 allowed tokens are asked for by id; otherwise the server's
         ``4k`` (at least 64) most likely are filtered, and where fewer than ``k`` of them are
-        allowed, the whole distribution is read (``logprobs=-1``, ~1.8 MB of JSON).  One
+        allowed, the whole distribution is read (``logprobs=-1``, a large answer).  One
         request of one token (its sampled token is dropped)."""
         ids = None if allowed is None else allowed.nonzero().flatten().tolist()
         if ids is not None and len(ids) <= MAX_LOGPROB_IDS:
@@ -229,8 +229,8 @@ class VllmBackend(RequestBackend):
 
     def next_logprobs(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
         """Float32 log-probs ``(len(rows), V)`` of the next token after each row: one request
-        per distinct row for its whole raw distribution (``logprobs=-1``; ~0.6 s and 1.8 MB
-        of JSON per row for a 49k vocabulary), concurrent."""
+        per distinct row for its whole raw distribution (``logprobs=-1``: a large JSON answer
+        per row), concurrent."""
         done = _concurrently(self._distribution, [tuple(r) for r in rows])
         if not rows:
             return torch.empty(0, self.vocab_size)

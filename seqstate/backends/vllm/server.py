@@ -158,7 +158,7 @@ def _named(args: tuple[str, ...], flag: str) -> bool:
 
 
 def _sees_cuda(python: Path) -> bool:
-    """Whether the server environment's torch sees a CUDA device (~2 s: it imports torch)."""
+    """Whether the server environment's torch sees a CUDA device (slow: it imports torch)."""
     probe = subprocess.run([str(python), "-c", "import torch; print(torch.cuda.is_available())"],
                            capture_output=True, text=True, timeout=120)
     if probe.returncode != 0:
