@@ -13,16 +13,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import seqstate as ss  # noqa: E402
-from benchmarks import (batch, beam, engine, engines, first_calls, hooks,  # noqa: E402
-                        json_schemas, kept, overhead, programs, scoring, service,
-                        speculation, vllm)
+from benchmarks import (activations, batch, beam, engine, engines,  # noqa: E402
+                        first_calls, hooks, json_schemas, kept, overhead, programs, scoring,
+                        service, speculation, vllm)
 
 SUITES = {"engine": engine.main, "programs": programs.main, "hooks": hooks.main,
           "beam": beam.main, "batch": batch.main, "json": json_schemas.main,
           "engines": engines.main, "speculation": speculation.main,
           "first_calls": first_calls.main, "scoring": scoring.main,
           "variants": scoring.variants_main, "vllm": vllm.main, "kept": kept.main,
-          "overhead": overhead.main, "service": service.main}
+          "overhead": overhead.main, "service": service.main,
+          "activations": activations.main}
 
 
 def main(argv: list[str]) -> None:

@@ -1,14 +1,15 @@
 """seqstate: structured LLM generation on immutable, forkable sequence states."""
 
-from seqstate import backends, constraints, engine, grammars, hooks, models, sampling, viz
+from seqstate import (activations, backends, constraints, engine, grammars, hooks, models,
+                      sampling, viz)
 from seqstate.programs import BatchError, arun_batch, run_batch
 from seqstate.conversation import chat
 from seqstate.errors import (ActivationHookError, ArgumentError, AuthenticationError,
                              BatchMismatch, CacheFullError, CallTimeout, CapabilityError,
                              CaptureNotFound, ChatTemplateError, ConstraintError,
-                             ContextOverflowError, EngineError, HookError, LogitsError,
-                             ModelMismatch, ModelNotAvailable, SampleMismatch, SeqStateError,
-                             SlicingError)
+                             ContextOverflowError, EngineError, HookError, HookNameError,
+                             LogitsError, ModelMismatch, ModelNotAvailable,
+                             PrefixPositionError, SampleMismatch, SeqStateError, SlicingError)
 from seqstate.finish import FinishReason
 from seqstate.generation import (Generator, cfg, choice, continuous, final_state, json, regex,
                                  text)
@@ -25,5 +26,6 @@ __all__ = [
     "ConstraintError", "ContextOverflowError", "CacheFullError", "ModelNotAvailable", "HookError",
     "ArgumentError",
     "ChatTemplateError", "CapabilityError", "ActivationHookError", "EngineError",
-    "AuthenticationError", "CaptureNotFound", "LogitsError", "CallTimeout",
+    "AuthenticationError", "CaptureNotFound", "LogitsError", "CallTimeout", "HookNameError",
+    "PrefixPositionError", "activations",
 ]

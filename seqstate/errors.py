@@ -26,6 +26,8 @@ __all__ = [
     "CaptureNotFound",
     "LogitsError",
     "CallTimeout",
+    "HookNameError",
+    "PrefixPositionError",
 ]
 
 
@@ -164,3 +166,20 @@ class CallTimeout(SeqStateError, TimeoutError):
     """A generator call that ran past its own ``timeout=``.  Its rows leave the running
     batch at the next step and what they held is released, as for a cancelled call; every
     existing state stays as it was and the other calls go on."""
+
+
+class HookNameError(SeqStateError, KeyError):
+    """An activation name that names no hook point of the model (``state.run_with_cache``,
+    ``state.run_with_hooks``), or a name an `ActivationCache` does not hold.  The message
+    lists the forms the model accepts.  A ``KeyError``, as for any mapping lookup."""
+
+    def __str__(self) -> str:
+        # KeyError's own str() is the repr of its argument: quotes around a whole sentence
+        return str(self.args[0]) if self.args else ""
+
+
+class PrefixPositionError(SeqStateError, IndexError):
+    """A hook asked for a position of the stored prefix: those positions' KV was read from
+    the store, not computed, so no hook sees or changes them.  The message says how to
+    compute them instead (``start=`` on the call: from that position on, ``start=0`` a whole
+    forward)."""

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from seqstate.errors import ArgumentError, BatchMismatch, ContextOverflowError
 
-__all__ = ["Scores", "score", "next_logprobs"]
+__all__ = ["Scores", "score", "next_logprobs", "row_prefixes"]
 
 Continuation = str | Sequence[int]
 
@@ -146,19 +146,22 @@ def _encoded(model: Any, c: Continuation) -> tuple[int, ...]:
     return tuple(c)
 
 
-def _prefixes(model: Any, rows: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+def row_prefixes(model: Any, rows: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
     """Each row's tokens; an empty row is the model's start token, as for generators."""
     start = tuple(model.start_token_ids)
     return [tuple(r) or start for r in rows]
 
 
 def score(model: Any, rows: Sequence[Sequence[int]], shape: tuple[int, int],
-          continuations: Any, *, store: bool = False) -> Scores:
-    """``state.score``: the state's ``rows`` (token ids, batch-major) of ``shape``."""
+          continuations: Any, *, store: bool = False,
+          scorer: Callable[[list], list] | None = None) -> Scores:
+    """``state.score``: the state's ``rows`` (token ids, batch-major) of ``shape``.
+    ``scorer(pairs)`` scores the ``(prefix, continuation)`` pairs (by default the model's
+    runner; `seqstate.activations` gives a hooked one)."""
     n_batch, n_samples = shape
     options = _options(model, n_batch, continuations)
     given = _as_given(continuations, n_batch)
-    prefixes = _prefixes(model, rows)
+    prefixes = row_prefixes(model, rows)
     limit = model.context_length
     pairs = []
     for i, prefix in enumerate(prefixes):
@@ -169,7 +172,7 @@ def score(model: Any, rows: Sequence[Sequence[int]], shape: tuple[int, int],
                     f"{len(prefix) + len(c) - 1} positions, past the model's context of "
                     f"{limit} tokens")
             pairs.append((prefix, c))
-    scored = iter(model.runner.score(pairs, store=store))
+    scored = iter(model.runner.score(pairs, store=store) if scorer is None else scorer(pairs))
     tokens, logprobs, greedy = [], [], []
     for b in range(n_batch):
         rows_t, rows_l, rows_g = [], [], []
@@ -199,4 +202,4 @@ def _as_given(continuations: Any, n_batch: int) -> tuple[tuple[Continuation, ...
 def next_logprobs(model: Any, rows: Sequence[Sequence[int]], shape: tuple[int, int]
                   ) -> torch.Tensor:
     """``state.next_logprobs()``: ``(batch, samples, vocab)`` for the state's ``rows``."""
-    return model.runner.next_logprobs(_prefixes(model, rows)).view(*shape, -1)
+    return model.runner.next_logprobs(row_prefixes(model, rows)).view(*shape, -1)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from seqstate import scores, viz
+from seqstate import activations, scores, viz
 from seqstate.accessors import Axis, Captures, Chars, TokenAxis
 from seqstate.errors import ArgumentError, BatchMismatch, ModelMismatch, SlicingError
 from seqstate.indexing import is_prefix, normalize, token_positions
@@ -206,7 +206,8 @@ class SequenceState:
         return Chars(self)
 
     # -- log-probs ----------------------------------------------------------------------------
-    def score(self, continuations: Any, *, store: bool = False) -> scores.Scores:
+    def score(self, continuations: Any, *, store: bool = False,
+              hooks: activations.Hooks | None = None) -> scores.Scores:
         """Teacher-forced log-probs of ``continuations`` after every row.
 
         ``continuations`` is one list shared by every row, or one list per batch item (of
@@ -214,7 +215,7 @@ class SequenceState:
         appended to a state is: no special tokens) or a list of token ids (taken verbatim).
         Each row's KV is reused from the store or computed once and stored; its last
         position's distribution scores every continuation's first token; the continuations'
-        KV is scratch, not stored, unless ``store=True``.
+        KV is scratch, not stored, unless ``store=True``.  ``hooks``: see `run_with_hooks`.
 
         Returns
         -------
@@ -232,14 +233,16 @@ class SequenceState:
         >>> sc.sums.shape, bool(sc.sums[0, 0, 2].isnan())
         (torch.Size([2, 1, 3]), True)
         """
+        if hooks is not None:
+            return activations.score(self, continuations, hooks, store=store)
         return scores.score(self.model, [r.tokens for r in self.rows], self.shape, continuations,
                             store=store)
 
-    def next_logprobs(self) -> torch.Tensor:
+    def next_logprobs(self, *, hooks: activations.Hooks | None = None) -> torch.Tensor:
         """Float32 log-softmax of the next token after every row, ``(batch, samples, vocab)``.
 
         Each row's KV is reused from the store or computed once and stored (an empty row
-        means the start token, as for generators).
+        means the start token, as for generators).  ``hooks``: see `run_with_hooks`.
 
         Examples
         --------
@@ -250,7 +253,21 @@ class SequenceState:
         >>> lp.shape[:2], bool(lp.exp().sum(-1).sub(1).abs().max() < 1e-4)
         (torch.Size([2, 1]), True)
         """
+        if hooks is not None:
+            return activations.next_logprobs(self, hooks)
         return scores.next_logprobs(self.model, [r.tokens for r in self.rows], self.shape)
+
+    def run_with_cache(self, names: Sequence[str], *, start: int | None = None
+                       ) -> activations.ActivationCache:
+        """Activations ``names`` of the positions computed after each row's stored prefix, or
+        from ``start`` (0: a full forward); nothing stored.  See `seqstate.activations`."""
+        return activations.run_with_cache(self, names, start=start)
+
+    def run_with_hooks(self, hooks: activations.Hooks, *, start: int | None = None
+                       ) -> activations.HookedState:
+        """The state with ``hooks`` (``{name: fn(act, pos)}``) on for its ``next_logprobs()``,
+        ``score()``, ``run_with_cache()``: see `seqstate.activations`."""
+        return activations.HookedState(self, hooks, start)
 
     # -- concatenation ------------------------------------------------------------------------
     def _encode_each(self, texts: Sequence[str]) -> list[list[int]]:

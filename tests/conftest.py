@@ -225,6 +225,20 @@ def plugin():
             del sys.modules[name]
 
 
+@pytest.fixture(scope="session")
+def vllm_python():
+    """The server environment's Python (``make vllm``); skipped where it is missing, unless
+    SEQSTATE_REQUIRE_VLLM is set (as `_served`)."""
+    from seqstate.vllm import server_python
+
+    try:
+        return server_python()
+    except ss.ModelNotAvailable as exc:
+        if os.environ.get("SEQSTATE_REQUIRE_VLLM"):
+            raise
+        pytest.skip(f"no vLLM server environment: {exc}")
+
+
 def _served(tmp_path_factory, model=None):
     """A vLLM server with seqstate's plugin on a free 127.0.0.1 port, serving ``model`` (the
     default model when None) in fp32, until the generator is closed.  Skipped where the

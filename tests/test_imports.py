@@ -37,7 +37,7 @@ LAYERS = [
     ("models", ["seqstate.models", *[f"{e.package}.{m}" for e in registry.engines()
                                      for m in ENGINE_MODEL_LAYER]]),
     ("values", ["seqstate.rows", "seqstate.scores", "seqstate.accessors", "seqstate.viz",
-                "seqstate.state"]),
+                "seqstate.state", "seqstate.activations"]),
     ("generation", ["seqstate.call", "seqstate.generation", "seqstate.conversation"]),
     ("public surface", ["seqstate", "seqstate.programs", "seqstate.demo",
                         "seqstate.__main__"]),
@@ -185,7 +185,7 @@ def test_no_upward_imports():
 def test_state_does_not_import_the_chat_layer():
     assert {m for m, _ in GRAPH["seqstate.state"]} <= {
         "seqstate.errors", "seqstate.indexing", "seqstate.rows", "seqstate.scores",
-        "seqstate.accessors", "seqstate.viz"}
+        "seqstate.accessors", "seqstate.viz", "seqstate.activations"}
 
 
 def test_generation_is_a_package_of_small_modules():

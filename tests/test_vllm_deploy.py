@@ -24,7 +24,8 @@ import urllib.request
 import pytest
 
 import seqstate as ss
-from seqstate.backends.vllm.server import EXACT, FLAGS, Server, loopback, server_python
+from seqstate.backends.vllm.server import (EXACT, FLAGS, PLUGINS, RUNNER_ENV, Server, loopback,
+                                           server_python)
 from seqstate.backends.vllm.serve import parser
 from seqstate.lm_eval import SeqStateLM
 from seqstate.vllm import main
@@ -178,7 +179,7 @@ def test_lm_eval_on_the_server_equals_the_hf_engine(keyed, real, record_property
 # -- what serve decides before starting anything -----------------------------------------------
 def _server(**options) -> Server:
     """A `Server` that is never started (no server environment needed: any Python file)."""
-    return Server(python=sys.executable, **options)
+    return Server(python=sys.executable, **{"runner_v2": False, **options})
 
 
 def test_a_cpu_gets_the_exact_profile_and_cuda_gets_vllms_defaults():
@@ -200,6 +201,49 @@ def test_a_cpu_gets_the_exact_profile_and_cuda_gets_vllms_defaults():
     assert _server(cuda=True, kv_cache_gib=4).command()[-1] == str(4 * 2**30)
     with pytest.raises(ss.ArgumentError, match="once"):
         _server(cuda=True, kv_cache_gib=4, gpu_memory_utilization=0.5)
+
+
+# vLLM's own answer, in the server environment: the runner its config runs (the defaults:
+# nothing that makes it fall back to V1) for each value of the variable, or why it refuses
+_VLLMS_CHOICE = f"""import json, os
+from vllm.config import VllmConfig
+out = {{}}
+for value in (None, "1"):
+    os.environ.pop("{RUNNER_ENV}", None)
+    if value is not None:
+        os.environ["{RUNNER_ENV}"] = value
+    try:
+        out[str(value)] = VllmConfig().use_v2_model_runner
+    except Exception as exc:
+        out[str(value)] = str(exc)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.vllm
+def test_serve_passes_the_processor_of_the_runner_vllm_runs(vllm_python, monkeypatch):
+    """The processor passed is the one for the model runner the server environment's vLLM
+    runs, and the variable is pinned to match: unset, vLLM's choice (V1 on this CPU build,
+    which has no usable Triton); set, the user's (kept, even where vLLM then refuses to
+    start, as it does V2 here); a value vLLM cannot read is refused before anything starts."""
+    run = subprocess.run([str(vllm_python), "-c", _VLLMS_CHOICE], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    vllms = json.loads(run.stdout.strip().splitlines()[-1])
+    assert vllms["None"] is False
+    assert "requires Triton" in vllms["1"]                 # no V2 server on this CPU
+    for value, v2 in ((None, False), ("1", True)):
+        monkeypatch.delenv(RUNNER_ENV, raising=False)
+        if value is not None:
+            monkeypatch.setenv(RUNNER_ENV, value)
+        server = Server(python=vllm_python, cuda=None if value is None else False)
+        assert server.runner_v2 is v2 and not server.cuda
+        command = server.command()
+        assert command[command.index("--logits-processors") + 1] == PLUGINS[v2]
+        assert server.environment()[RUNNER_ENV] == str(int(v2))
+    monkeypatch.setenv(RUNNER_ENV, "yes")
+    with pytest.raises(ss.ArgumentError, match=RUNNER_ENV):
+        Server(python=vllm_python)
 
 
 def test_the_key_goes_to_vllm_in_the_environment_not_the_command_line(monkeypatch):

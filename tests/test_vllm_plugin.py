@@ -6,6 +6,10 @@ table is built over the tiny model's vocabulary, as ``serve`` writes it."""
 from __future__ import annotations
 
 import json
+import os
+import pathlib
+import re
+import subprocess
 import threading
 import time
 import urllib.error
@@ -21,6 +25,8 @@ import seqstate as ss
 from seqstate.backends.vllm import wire
 from seqstate.backends.vllm.vocab import signal_tokens, vocabulary_table
 from seqstate.constraints import spec as keys
+
+from conftest import PLUGIN_PACKAGE
 
 pytestmark = pytest.mark.vllm
 
@@ -191,6 +197,77 @@ def test_every_rows_mask_is_applied_at_once_as_row_by_row(served, plugin, builde
     got = cursors.mask_rows(requests, logits)
     assert torch.equal(got, expected)
     assert torch.isfinite(got[1]).all() and torch.isfinite(got[5]).all()     # free rows
+
+
+# -- both model runners ----------------------------------------------------------------------
+RUNNERS = pathlib.Path(__file__).parent / "vllm_runners.py"
+CODE = r"[0-9]{3}-(red|blue)"
+SUM = r"[0-9]{1,3}[+-][0-9]{1,3}"
+SUM_GRAMMAR = 'start: NUMBER OP NUMBER\nOP: "+" | "-"\nNUMBER: /[0-9]{1,3}/\n'
+
+
+def test_both_runners_processors_mask_alike_through_vllms_own_interfaces(served, tiny,
+                                                                        vllm_python):
+    """vLLM's V2 loader refuses the V1 processor (why a GPU server would not start) and
+    loads the V2 one; over 16 steps of requests joining, leaving, preempted and resumed,
+    in a new row order each step, the V2 processor's masks equal the V1 one's on every
+    request, and what they let through is what each spec says (Python's ``re`` for the
+    regexes and the grammar, the forced tokens, the replayed prefix continued)."""
+    table, as_json, signals = served
+    path = pathlib.Path(os.environ[wire.VOCAB_ENV])
+    ends = [*as_json["eos"], *signals]
+    forced = tiny.encode(" forced text")
+    replayed = tiny.encode("12")
+
+    def request(name, spec, joins=0, max_tokens=10, **more):
+        spec = None if spec is None else _spec(served, **spec)
+        return {"name": name, "spec": spec, "joins": joins, "max_tokens": max_tokens,
+                "prompt": tiny.encode(f"Request {name}:"), "ends": ends, **more}
+
+    requests = [request("regex", {keys.REGEX: CODE}),
+                request("grammar", {keys.GRAMMAR: SUM_GRAMMAR}),
+                request("free", None, max_tokens=2),
+                request("forced", {keys.FORCE: forced}, joins=1, max_tokens=len(forced)),
+                request("resumed", {keys.REGEX: CODE, keys.REPLAY: replayed}, joins=1),
+                request("preempted", {keys.REGEX: CODE}, preempted=3),
+                request("chunked", {keys.GRAMMAR: SUM_GRAMMAR}, joins=2, chunked=True),
+                request("healed", {keys.HEAL: b" th".hex()}, joins=3, max_tokens=3),
+                request("late", {keys.REGEX: CODE}, joins=6),
+                request("free again", None, joins=7, max_tokens=4)]
+    scenario = {"vocab": table.size, "seed": 5, "steps": 16, "requests": requests,
+                "builds": [[keys.REGEX, CODE], [keys.GRAMMAR, SUM_GRAMMAR]]}
+    env = dict(os.environ, PYTHONPATH=str(PLUGIN_PACKAGE.parent), **{wire.VOCAB_ENV: str(path)})
+    run = subprocess.run([str(vllm_python), str(RUNNERS)], input=json.dumps(scenario),
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "not a subclass" in got["loaders"]["v1_on_v2"]
+    assert "seqstate spec refused" in got["loaders"]["malformed"]
+    unequal = [(k, name) for k, step in enumerate(got["steps"])
+               for name, (equal, _) in step.items() if not equal]
+    assert not unequal, unequal
+    stepped = {name: [allowed for step in got["steps"] if name in step
+                      for _, allowed in [step[name]]] for name in got["outputs"]}
+    assert all(len(allowed) >= 2 for allowed in stepped.values()), stepped
+    assert got["reused"] >= 1                           # a slot another request had held
+    assert set(stepped["free"]) == set(stepped["free again"]) == {table.size}   # no mask
+    assert stepped["forced"] == [1] * len(forced)
+    assert max(stepped["regex"]) < 50 and max(stepped["grammar"]) < 50
+    outputs = got["outputs"]
+    assert outputs["forced"] == forced
+    assert not {t for out in outputs.values() for t in out} & set(signals)
+
+    def text(name: str) -> str:
+        """The request's output (which ended by EOS) as text."""
+        *tokens, last = outputs[name]
+        assert last in as_json["eos"], (name, outputs[name])
+        return b"".join(table.tokens[t] for t in tokens).decode()
+    for name in ("regex", "preempted", "late"):
+        assert re.fullmatch(CODE, text(name)), (name, text(name))
+    assert re.fullmatch(CODE, "12" + text("resumed")), text("resumed")
+    for name in ("grammar", "chunked"):
+        assert re.fullmatch(SUM, text(name)), (name, text(name))
+    assert b"".join(table.tokens[t] for t in outputs["healed"]).startswith(b" th")
 
 
 # -- on a server ---------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import types
 import pytest
 
 from seqstate.backends.vllm import wire
-from seqstate.backends.vllm.server import PLUGIN, Server
+from seqstate.backends.vllm.server import PLUGINS, Server
 from seqstate.backends.vllm.vocab import signal_tokens, vocabulary_table
 from seqstate.constraints import spec
 from seqstate.constraints.compile import cfg, regex
@@ -62,7 +62,7 @@ def test_the_plugin_reads_the_request_the_client_builds(plugin, table):
 
 def test_the_server_names_the_table_to_the_plugin(plugin, tmp_path):
     theirs = plugin.module("wire")
-    launched = types.SimpleNamespace(folder=tmp_path, api_key=None)
+    launched = types.SimpleNamespace(folder=tmp_path, api_key=None, runner_v2=False)
     assert Server.environment(launched)[theirs.VOCAB_ENV] == str(tmp_path / wire.VOCAB_FILE)
 
 
@@ -91,17 +91,19 @@ def test_the_plugin_names_its_keys_once():
         assert not literals, f"{path.name} spells keys {sorted(literals)}; use seqstate_vllm.wire"
 
 
-def test_the_entry_point_is_exported():
-    """``server.PLUGIN`` (``module:attribute``) names a class the package's ``__init__``
-    imports, without importing vLLM here."""
-    module, _, name = PLUGIN.partition(":")
-    assert module == PACKAGE.name
+def test_the_entry_points_are_exported():
+    """Each of ``server.PLUGINS`` (``module:attribute``, one per model runner) names a class
+    the package's ``__init__`` imports, without importing vLLM here."""
     tree = ast.parse((PACKAGE / "__init__.py").read_text())
     bound = {alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
              for alias in node.names}
     exported = next(ast.literal_eval(node.value) for node in tree.body
                     if isinstance(node, ast.Assign) and node.targets[0].id == "__all__")
-    assert name in bound and name in exported
+    assert len(set(PLUGINS.values())) == 2
+    for plugin in PLUGINS.values():
+        module, _, name = plugin.partition(":")
+        assert module == PACKAGE.name
+        assert name in bound and name in exported
 
 
 def test_signal_tokens_are_neither_eos_nor_bos_nor_any_constraints(table, tiny):

@@ -56,6 +56,10 @@ class Capabilities:
         logits equal a fresh fp32 evaluation to fp32 noise (the exactness reference).
     max_rows
         most working rows one batch can hold at once (None: no fixed limit).
+    activations
+        a forward whose activations can be read and patched by hook name
+        (``state.run_with_cache``, ``state.run_with_hooks``): the engine runs the model's
+        modules itself (hf).
     own_threads
         the engine computes on CPU threads of its own; its ``on_worker_start`` then makes the
         sampling step (torch ops over a few rows of logits) run single-threaded on the
@@ -70,6 +74,7 @@ class Capabilities:
     exact: bool = False
     max_rows: int | None = None
     own_threads: bool = False
+    activations: bool = False
 
     def require(self, capability: str, feature: str, instead: str, model: str) -> None:
         """Raise `CapabilityError` when this engine lacks ``capability`` (``"full_logits"``,
@@ -86,6 +91,7 @@ _MEANING = {
     "full_logits": "next-token logits over the whole vocabulary",
     "prefix_sharing": "rows sharing the KV of a common prefix",
     "batching": "several rows in one forward",
+    "activations": "reading and patching the model's activations by hook name",
 }
 
 

@@ -170,8 +170,13 @@ class Request:
 
     def keep(self, width: int) -> torch.Tensor | None:
         """Walk the tokens generated since the last step, then say which of ``width`` token
-        ids the next may be (a bool mask on the CPU); None where any may."""
-        while self.seen < len(self.output):
+        ids the next may be (a bool mask on the CPU); None where any may.
+
+        The cursor starts first, so a request that joins with output tokens already (resumed
+        after a preemption) has them walked too."""
+        if self.build is not None and self.build.done():
+            self._start()
+        while self.build is None and self.seen < len(self.output):
             k = self.seen
             if k >= len(self.force) and self.signal is None:
                 self._advance(self.output[k])
@@ -179,8 +184,6 @@ class Request:
                     self.signal = BROKE
             self.seen += 1
         k = len(self.output)
-        if self.build is not None and self.build.done():
-            self._start()
         if self.build is not None and self.signal is None:
             self.signal = PENDING
         if self.signal is not None:

@@ -17,6 +17,8 @@ from seqstate.backends.base import (Capabilities, Scored, StepBackend, WorkCount
                                     torch_threads)
 from seqstate.backends.hf.batch import HFBatch
 from seqstate.backends.hf.guard import HookGuard
+from seqstate.backends.hf.hook_points import HookPoint, resolve
+from seqstate.backends.hf.hooked import Hooked, run_hooked
 from seqstate.backends.hf.store import DEFAULT_BUDGET_BYTES, KVStore
 from seqstate.backends.hf.packed import score_packed
 from seqstate.backends.teacher_forcing import score_pairs
@@ -53,7 +55,7 @@ class HFBackend(StepBackend):
     True
     """
 
-    capabilities = Capabilities(name="hf", exact=True)
+    capabilities = Capabilities(name="hf", exact=True, activations=True)
 
     def __init__(self, hf_model: Any, *, pad_token_id: int,
                  kv_budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
@@ -93,7 +95,7 @@ class HFBackend(StepBackend):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 position_ids: torch.Tensor | None, cache: Any, *,
-                logits: bool | torch.Tensor = True
+                logits: bool | torch.Tensor = True, scratch: bool = False
                 ) -> torch.Tensor | None:
         """Run ``input_ids`` (B, T) over ``cache``; last-position logits (B, V) in float32 or None.
 
@@ -103,13 +105,16 @@ class HFBackend(StepBackend):
         own).  ``logits=False`` skips the LM head (prefill); a ``(B, k)`` tensor of positions
         gives those positions' (B, k, V), a ``(B, T)`` boolean tensor its True positions'
         (N, V), row by row.  Runs in inference mode (entered here where it is not already on).
-        Refused (`seqstate.ActivationHookError`) on a hooked model outside ``frozen_store()``.
+        Refused (`seqstate.ActivationHookError`) on a hooked model outside ``frozen_store()``,
+        unless ``scratch``: nothing this forward computes is ever stored (a hooked run,
+        `seqstate.backends.hf.hooked`).
         """
         if not torch.is_inference_mode_enabled():
             with torch.inference_mode():
                 return self.forward(input_ids, attention_mask, position_ids, cache,
-                                    logits=logits)
-        self.guard.check()
+                                    logits=logits, scratch=scratch)
+        if not scratch:
+            self.guard.check()
         self.counters["forward_calls"] += 1
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids, past_key_values=cache, use_cache=True)
@@ -134,6 +139,20 @@ class HFBackend(StepBackend):
         out = self.hf_model(input_ids=torch.tensor([list(tokens)], device=self.device),
                             use_cache=False)
         return out.logits[0].float()
+
+    # -- activations --------------------------------------------------------------------------
+    def hook_points(self, names: Sequence[str]) -> list[HookPoint]:
+        """Each activation name's `HookPoint` (`seqstate.backends.hf.hook_points.resolve`);
+        `seqstate.HookNameError` listing the accepted forms for one that names none."""
+        return [resolve(self.hf_model, name) for name in names]
+
+    def run_hooked(self, rows: Sequence[Sequence[int]], starts: Sequence[int],
+                   reads: Sequence[int], hooks: dict[str, Sequence[Any]],
+                   capture: Sequence[str]) -> Hooked:
+        """A hooked forward over the rows' stored prefixes, nothing stored
+        (`seqstate.backends.hf.hooked.run_hooked`)."""
+        points = self.hook_points(list(dict.fromkeys([*hooks, *capture])))
+        return run_hooked(self, rows, starts, reads, points, hooks, capture)
 
     # -- counters -----------------------------------------------------------------------------
     def kv_stats(self) -> dict[str, int]:

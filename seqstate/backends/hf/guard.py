@@ -9,6 +9,13 @@ model, or torch's global registry, has a forward hook or pre-hook and no
 compute.  Inside ``frozen_store()`` stored KV is read and what is computed is scratch
 (`seqstate.radix`), so hooks are allowed there.
 
+Two kinds of hooks change nothing the store keeps, and pass: transformers' output recorders
+(one call with ``output_hidden_states=True`` or ``output_attentions=True`` leaves a forward
+hook on every decoder layer and attention module, for good; each appends what it sees to a
+collector only while such a call runs, and returns nothing), and seqstate's own hooks of a
+hooked run (`seqstate.backends.hf.hooked`: they act on that run's forward only, whose KV is
+never stored), marked with `SCRATCH_HOOK`.
+
 Cost: the hook dictionaries of every module are listed once per call admission (which also
 picks up modules added since), and each forward only tests them for emptiness.
 """
@@ -22,13 +29,27 @@ from torch.nn.modules import module as torch_module
 
 from seqstate.errors import ActivationHookError
 
-__all__ = ["HookGuard", "GLOBAL_HOOKS"]
+__all__ = ["HookGuard", "GLOBAL_HOOKS", "SCRATCH_HOOK", "passes"]
 
 # torch's process-wide forward hooks (``nn.modules.module.register_module_forward_hook`` and
 # ``..._forward_pre_hook``), mutated in place by torch.  The other global dictionaries are
 # subsets of these (``_global_forward_hooks_always_called``, ``..._with_kwargs``: flags keyed
 # by the same ids) or do not run in a forward (backward and registration hooks).
 GLOBAL_HOOKS = (torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks)
+
+# the attribute that marks a hook as seqstate's own, on a run that stores nothing
+SCRATCH_HOOK = "_seqstate_scratch"
+
+# transformers' output recorder: `install_output_capuring_hook`'s inner function (it records
+# into the active collector, never returns a value)
+_RECORDER = ("transformers.utils.output_capturing", "output_capturing_hook")
+
+
+def passes(hook: Any) -> bool:
+    """Whether ``hook`` cannot change what the store keeps: transformers' output recorder, or
+    seqstate's own hook of a hooked run."""
+    return (getattr(hook, SCRATCH_HOOK, False)
+            or (getattr(hook, "__module__", None), getattr(hook, "__name__", None)) == _RECORDER)
 
 
 class HookGuard:
@@ -60,12 +81,15 @@ class HookGuard:
         self.module = module
         self.store = store
         self._dicts: list[dict] = []
+        self._passing: list[tuple[dict, int]] = []
         self.rescan()
 
     def rescan(self) -> None:
-        """List the hook dictionaries of every submodule (modules may have been added)."""
-        self._dicts = [d for m in self.module.modules()
-                       for d in (m._forward_hooks, m._forward_pre_hooks)]
+        """List the hook dictionaries of every submodule (modules may have been added):
+        those holding hooks that pass (`passes`) apart, with their sizes."""
+        dicts = [d for m in self.module.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self._dicts = [d for d in dicts if not d or not all(map(passes, d.values()))]
+        self._passing = [(d, len(d)) for d in dicts if d and all(map(passes, d.values()))]
 
     def check(self, *, rescan: bool = False) -> None:
         """Raise `ActivationHookError` when hooks are registered and the store is not frozen.
@@ -77,14 +101,18 @@ class HookGuard:
             return
         if rescan:
             self.rescan()
-        if any(self._dicts) or any(GLOBAL_HOOKS):
-            raise self._error()
+        if (any(self._dicts) or any(GLOBAL_HOOKS)
+                or any(len(d) != n for d, n in self._passing)):
+            if self.hooks():
+                raise self._error()
+            self.rescan()         # only hooks that pass, some added since: list them apart
 
     def hooks(self) -> dict[str, int]:
-        """Forward hooks and pre-hooks per hooked module's name (``"<global>"``: torch's)."""
-        found = {name or "<model>": len(m._forward_hooks) + len(m._forward_pre_hooks)
+        """Forward hooks and pre-hooks per hooked module's name (``"<global>"``: torch's),
+        those that pass (`passes`: transformers' recorders, seqstate's own) not counted."""
+        found = {name or "<model>": _count(m._forward_hooks) + _count(m._forward_pre_hooks)
                  for name, m in self.module.named_modules()}
-        found["<global>"] = sum(map(len, GLOBAL_HOOKS))
+        found["<global>"] = sum(map(_count, GLOBAL_HOOKS))
         return {name: n for name, n in found.items() if n}
 
     def _error(self) -> ActivationHookError:
@@ -98,3 +126,8 @@ class HookGuard:
             f"without the hooks.  Run hooked calls inside `with model.frozen_store(): ...` "
             f"(stored KV is read, the KV they compute is scratch, never stored), or remove "
             f"the hooks (`handle.remove()`) first", found)
+
+
+def _count(hooks: dict) -> int:
+    """The hooks of ``hooks`` that do not pass."""
+    return sum(not passes(h) for h in hooks.values()) if hooks else 0

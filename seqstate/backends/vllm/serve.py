@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                         kv_cache_gib=args.kv_cache_gib, api_key=args.api_key,
                         extra_args=extra, log=sys.stderr)
         device = "CUDA, vLLM's defaults" if server.cuda else "CPU, the exact profile"
+        device += ", Model Runner V2" if server.runner_v2 else ", the V1 model runner"
         print(f"starting vLLM on {server.url} (model {server.folder}; {device}) ...",
               file=sys.stderr)
         server.start()

@@ -11,6 +11,13 @@ checks requests against is written beside them.
 Where the server's torch sees no CUDA device, it runs the exact profile (`EXACT`: fp32, eager,
 small blocks), equal to the ``hf`` engine; where it sees one, vLLM's own defaults (the model's
 dtype, CUDA graphs, its block size).  Explicit settings win over both.
+
+vLLM 0.32 has two model runners with different logits-processor interfaces, and the plugin
+has a processor for each (`PLUGINS`).  Which one vLLM runs follows vLLM's own rule:
+``$VLLM_USE_V2_MODEL_RUNNER`` where it is set (a user's choice is kept), otherwise Model
+Runner V2 wherever the server environment's vLLM finds a usable Triton (every CUDA GPU; not
+vLLM's CPU build).  The choice is pinned in the server's environment, so vLLM runs the
+runner whose processor it is given.
 """
 
 from __future__ import annotations
@@ -34,10 +41,22 @@ from seqstate.backends.vllm.wire import VOCAB_ENV, VOCAB_FILE
 from seqstate.errors import ArgumentError, EngineError, ModelNotAvailable
 
 __all__ = ["Server", "server_python", "model_folder", "free_port", "loopback", "keyed",
-           "FLAGS", "EXACT", "VENV"]
+           "FLAGS", "EXACT", "VENV", "PLUGINS", "RUNNER_ENV"]
 
 VENV = ".venv-vllm"
-PLUGIN = "seqstate_vllm:SeqStateLogitsProcessor"
+# the plugin's processor for each model runner: V1's interface, Model Runner V2's
+PLUGINS = {False: "seqstate_vllm:SeqStateLogitsProcessor",
+           True: "seqstate_vllm:SeqStateLogitsProcessorV2"}
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+# run in the server environment: whether its torch sees CUDA and, with --triton, whether its
+# vLLM finds a usable Triton (vLLM 0.32 runs Model Runner V2 by default exactly where it does)
+_PROBE = """import json, sys, torch
+answer = {"cuda": torch.cuda.is_available()}
+if "--triton" in sys.argv:
+    from vllm.triton_utils import HAS_TRITON
+    answer["triton"] = HAS_TRITON
+print(json.dumps(answer))
+"""
 # what seqstate's requests need, on every device: prefix caching, cache hits reported in
 # usage, vLLM's own sampling defaults instead of the model's generation_config, and log-probs
 # of the whole vocabulary on request (next_logprobs)
@@ -157,14 +176,31 @@ def _named(args: tuple[str, ...], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
-def _sees_cuda(python: Path) -> bool:
-    """Whether the server environment's torch sees a CUDA device (slow: it imports torch)."""
-    probe = subprocess.run([str(python), "-c", "import torch; print(torch.cuda.is_available())"],
-                           capture_output=True, text=True, timeout=120)
-    if probe.returncode != 0:
+def _chosen_runner() -> bool | None:
+    """``$VLLM_USE_V2_MODEL_RUNNER`` as vLLM reads it (an integer, true where not 0); None
+    where it is not set."""
+    value = os.environ.get(RUNNER_ENV)
+    if value is None:
+        return None
+    try:
+        return bool(int(value))
+    except ValueError:
+        raise ArgumentError(f"${RUNNER_ENV} must be 0 (vLLM's V1 model runner) or 1 (Model "
+                            f"Runner V2), got {value!r}; unset it for vLLM's own choice"
+                            ) from None
+
+
+def _probe(python: Path, triton: bool) -> dict[str, bool]:
+    """Whether the server environment's torch sees CUDA (``cuda``) and, with ``triton``,
+    whether its vLLM finds a usable Triton (``triton``; slower: it imports vLLM)."""
+    probe = subprocess.run([str(python), "-c", _PROBE, *(["--triton"] if triton else [])],
+                           capture_output=True, text=True, timeout=300)
+    answer = [line for line in probe.stdout.splitlines() if line.startswith("{")]
+    if probe.returncode != 0 or not answer:
         raise ModelNotAvailable(f"the server environment's Python ({python}) cannot import "
-                                f"torch: {probe.stderr.strip()[-500:]}")
-    return probe.stdout.strip().endswith("True")
+                                f"torch{' and vllm' if triton else ''}: "
+                                f"{probe.stderr.strip()[-500:]}")
+    return json.loads(answer[-1])
 
 
 def _in_use(host: str, port: int) -> bool:
@@ -202,6 +238,10 @@ class Server:
         win over the settings above.  With ``--ssl-certfile`` among them, ``url`` is https.
     cuda : bool or None
         Whether the server runs on CUDA; None asks the server environment's torch.
+    runner_v2 : bool or None
+        Whether vLLM runs Model Runner V2 (the plugin's V2 processor is passed, and
+        ``$VLLM_USE_V2_MODEL_RUNNER`` pinned to match); None: the variable where it is set,
+        else whether the server environment's vLLM finds a usable Triton.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, port: int | None = None,
@@ -210,9 +250,14 @@ class Server:
                  max_model_len: int | None = None, gpu_memory_utilization: float | None = None,
                  kv_cache_gib: float | None = None, api_key: str | None = None,
                  extra_args: tuple[str, ...] = (), cuda: bool | None = None,
-                 log: Any = None) -> None:
+                 runner_v2: bool | None = None, log: Any = None) -> None:
         self.python = server_python(python)          # a missing environment fails first
-        self.cuda = _sees_cuda(self.python) if cuda is None else bool(cuda)
+        if runner_v2 is None:
+            runner_v2 = _chosen_runner()
+        probed = {} if cuda is not None and runner_v2 is not None else _probe(
+            self.python, triton=runner_v2 is None)
+        self.cuda = probed["cuda"] if cuda is None else bool(cuda)
+        self.runner_v2 = probed["triton"] if runner_v2 is None else bool(runner_v2)
         if kv_cache_gib is not None and gpu_memory_utilization is not None:
             raise ArgumentError("give the KV cache's size once: kv_cache_gib (--kv-cache-gib, "
                                 "bytes per device) or gpu_memory_utilization (a share of the "
@@ -248,6 +293,11 @@ class Server:
         """Whether vLLM will ask requests for a key (see `keyed`)."""
         return keyed(self.api_key, self.extra_args)
 
+    @property
+    def plugin(self) -> str:
+        """The plugin's processor passed to vLLM: the one for the model runner it runs."""
+        return PLUGINS[self.runner_v2]
+
     def command(self) -> list[str]:
         profile = () if self.cuda else EXACT[2:]       # eager, small blocks; dtype is a setting
         settings = [str(v) for flag, value in self.settings.items() if value is not None
@@ -255,12 +305,13 @@ class Server:
         return [str(self.python), "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(self.folder), "--served-model-name", self.folder.name,
                 "--host", self.host, "--port", str(self.port),
-                "--logits-processors", PLUGIN, *FLAGS, *profile, *settings, *self.extra_args]
+                "--logits-processors", self.plugin, *FLAGS, *profile, *settings, *self.extra_args]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    **{VOCAB_ENV: str(self.folder / VOCAB_FILE)},
-                   VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
+                   VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false",
+                   **{RUNNER_ENV: "1" if self.runner_v2 else "0"})
         env.pop("PYTHONPATH", None)                    # seqstate's environment stays out
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)        # it would override --kv-cache-memory-bytes
         if self.api_key:
