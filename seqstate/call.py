@@ -201,6 +201,11 @@ class Call:
         stops = self._stop_list()
         if not all(isinstance(s, str) and s for s in stops):
             raise ArgumentError(f"stop_at must be a non-empty str or a list of them, got {self.stop_at!r}")
+
+    def warn_unused(self) -> None:
+        """Warn of keywords the greedy sampler makes pointless.  Called once the call's rows
+        are prepared, so that a call refused with an error (``num_samples`` on a state with
+        other samples: `SampleMismatch`) shows the error alone, not a warning before it."""
         if isinstance(self.sampler, Greedy):
             if self.seed is not None or self.rng is not None:
                 _warn("seed/rng has no effect with the greedy sampler; pass "

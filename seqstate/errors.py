@@ -59,6 +59,18 @@ class SampleMismatch(SeqStateError, ValueError):
 class ModelMismatch(SeqStateError, ValueError):
     """A state made with one model or tokenizer given to a generator of another."""
 
+    @classmethod
+    def between(cls, made_with: object, given: object, doing: str, fix: str) -> ModelMismatch:
+        """The error for a state of ``made_with`` used ``doing`` with ``given``, telling the
+        two models apart when they print alike (two loads of the same weights)."""
+        first, second = repr(made_with), repr(given)
+        if first == second:
+            first += f" (object at {id(made_with):#x})"
+            second = (f"another object of the same name at {id(given):#x}: a state belongs "
+                      f"to the model object that made it, and two loads of one model do not "
+                      f"share states")
+        return cls(f"this state was made with {first} but {doing} {second}; {fix}")
+
 
 class ConstraintError(SeqStateError, ValueError):
     """An invalid regex, schema, grammar or choice list, reported before any model call; on

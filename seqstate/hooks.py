@@ -247,13 +247,17 @@ class _BanPhrases(Hook):
 
 
 def ban_phrases(phrases: Sequence[str], *, regex: bool = False, ignore_case: bool = True,
-                lookback: int = 200) -> Hook:
+                whole_words: bool = False, lookback: int = 200) -> Hook:
     r"""A hook that never lets the generated text contain any of ``phrases``.
 
     Matching runs across token boundaries: when a phrase completes, the row rolls back to the
     token where it started (KV and constraint state included) and resamples there with that
     token banned.  A regex, choice or JSON constraint that can only produce banned text is
     reported as a ``ConstraintError`` before generating.
+
+    A phrase matches anywhere, inside words too: ``ban_phrases(["car"])`` also keeps out
+    "scar" and "cart".  ``whole_words=True`` bans it only where no letter, digit or ``_``
+    touches it on either side.
 
     Parameters
     ----------
@@ -263,6 +267,11 @@ def ban_phrases(phrases: Sequence[str], *, regex: bool = False, ignore_case: boo
         Read ``phrases`` as regular expressions.
     ignore_case : bool, default True
         Match without regard to case.
+    whole_words : bool, default False
+        Match a phrase only where it is not part of a longer word (no word character,
+        ``\w``, right before or after it).  Whether a word goes on is known only from the
+        next character, so the row rolls back when that character comes (EOS counts as one);
+        a row cut by ``max_tokens`` right after a phrase keeps it.
     lookback : int, default 200
         For regular expressions: how far back (in characters) a match may start.  Plain
         phrases need no more than the longest phrase's length, which is what they use.
@@ -279,12 +288,20 @@ def ban_phrases(phrases: Sequence[str], *, regex: bool = False, ignore_case: boo
     8
     >>> ss.hooks.ban_phrases([r"\bdelv\w*"], regex=True).lookback
     200
+    >>> bool(ss.hooks.ban_phrases(["car"]).pattern.search("a scar"))
+    True
+    >>> words = ss.hooks.ban_phrases(["car"], whole_words=True)
+    >>> [bool(words.pattern.search(t)) for t in ("a scar.", "a car.")]
+    [False, True]
     """
     if isinstance(phrases, str) or not phrases or not all(isinstance(p, str) and p for p in phrases):
         raise ConstraintError(f"ban_phrases needs a non-empty list of non-empty strings, got {phrases!r}")
     body = "|".join(phrases if regex else sorted(map(re.escape, phrases), key=len, reverse=True))
+    if whole_words:
+        # the character after the phrase is part of the match: it completes when that comes
+        body = f"(?<!\\w)(?:{body})(?:\\W)"
     try:
         pattern = re.compile(body, re.IGNORECASE if ignore_case else 0)
     except re.error as exc:
         raise ConstraintError(f"invalid banned-phrase regex: {exc}") from exc
-    return _BanPhrases(pattern, lookback if regex else max(map(len, phrases)))
+    return _BanPhrases(pattern, (lookback if regex else max(map(len, phrases))) + whole_words)

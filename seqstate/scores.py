@@ -38,6 +38,9 @@ class Scores:
     greedy
         every token of the continuation is the most likely one at its position (greedy
         decoding would produce it).
+    options
+        the continuations as given (a ``str``, or a tuple of token ids), nested
+        ``[batch][option]``: what `best` returns.
 
     Examples
     --------
@@ -49,13 +52,16 @@ class Scores:
     torch.Size([1, 1, 2])
     >>> len(sc.logprobs[0][0][1]) == len(model.encode(" green today"))
     True
-    >>> sc.best().tolist()          # per row: the option of highest summed log-prob
+    >>> sc.best()                   # per row: the option of highest summed log-prob
+    [[' blue']]
+    >>> sc.best_index().tolist()    # the same, as indices into the options
     [[0]]
     """
 
     tokens: tuple[tuple[tuple[tuple[int, ...], ...], ...], ...]
     logprobs: tuple[tuple[tuple[tuple[float, ...], ...], ...], ...]
     greedy: tuple[tuple[tuple[bool, ...], ...], ...]
+    options: tuple[tuple[Continuation, ...], ...] = ()
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -82,7 +88,14 @@ class Scores:
         """Mean log-prob per token of each continuation, like `sums` (NaN-padded)."""
         return self._table(lambda lps: math.fsum(lps) / len(lps))
 
-    def best(self, by: str = "sums") -> torch.Tensor:
+    def best(self, by: str = "sums") -> list[list[Continuation]]:
+        """Each row's best option as given (its text, or its token ids), nested
+        ``[batch][sample]`` like ``state.value``; by ``"sums"`` (the summed log-prob) or
+        ``"means"`` (per token).  `best_index` gives the same choice as indices."""
+        index = self.best_index(by).tolist()
+        return [[self.options[b][i] for i in row] for b, row in enumerate(index)]
+
+    def best_index(self, by: str = "sums") -> torch.Tensor:
         """The index of each row's best option by ``"sums"`` or ``"means"``, ``(batch,
         samples)`` (padding never wins)."""
         if by not in ("sums", "means"):
@@ -147,6 +160,7 @@ def score(model: Any, rows: Sequence[Sequence[int]], shape: tuple[int, int],
     runner; `seqstate.activations` gives a hooked one)."""
     n_batch, n_samples = shape
     options = _options(model, n_batch, continuations)
+    given = _as_given(continuations, n_batch)
     prefixes = row_prefixes(model, rows)
     limit = model.context_length
     pairs = []
@@ -170,7 +184,19 @@ def score(model: Any, rows: Sequence[Sequence[int]], shape: tuple[int, int],
         tokens.append(tuple(rows_t))
         logprobs.append(tuple(rows_l))
         greedy.append(tuple(rows_g))
-    return Scores(tuple(tokens), tuple(logprobs), tuple(greedy))
+    return Scores(tuple(tokens), tuple(logprobs), tuple(greedy), given)
+
+
+def _as_given(continuations: Any, n_batch: int) -> tuple[tuple[Continuation, ...], ...]:
+    """The continuations as the user wrote them, one tuple per batch item (checked by
+    `_options` already); token-id lists become tuples."""
+    def kept(c: Continuation) -> Continuation:
+        return c if isinstance(c, str) else tuple(c)
+
+    if isinstance(continuations[0], (list, tuple)) and continuations[0] \
+            and isinstance(continuations[0][0], (str, list, tuple)):
+        return tuple(tuple(kept(c) for c in item) for item in continuations)
+    return (tuple(kept(c) for c in continuations),) * n_batch
 
 
 def next_logprobs(model: Any, rows: Sequence[Sequence[int]], shape: tuple[int, int]

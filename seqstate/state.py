@@ -402,7 +402,9 @@ def _broadcast(a: int, b: int, axis: str, sa: tuple, sb: tuple) -> int:
 
 def _concat(left: SequenceState, right: SequenceState) -> SequenceState:
     if left.model is not right.model:
-        raise ModelMismatch(f"cannot concatenate a state of {left.model!r} with one of {right.model!r}")
+        raise ModelMismatch.between(left.model, right.model, "is concatenated with a state of",
+                                    "only states of one model object concatenate; append the "
+                                    "other state's text instead (state + other.texts[0][0])")
     batch = _broadcast(left.n_batch, right.n_batch, "batch", left.shape, right.shape)
     samples = _broadcast(left.n_samples, right.n_samples, "sample", left.shape, right.shape)
     rows = []

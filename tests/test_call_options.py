@@ -191,3 +191,13 @@ def test_bad_sampling_options_are_argument_errors():
                {"frequency_penalty": "a"}):
         with pytest.raises(ss.ArgumentError):
             ss.multinomial(**kw)
+
+
+@pytest.mark.parametrize("constructor", [ss.text, ss.choice, ss.regex, ss.json, ss.cfg])
+def test_each_constructor_documents_its_calls_keywords_where_help_finds_them(constructor):
+    import pydoc
+
+    shown = pydoc.render_doc(constructor, renderer=pydoc.plaintext)
+    for keyword in Call.parameters():
+        assert f"\n    {keyword.name} : " in shown, f"help({constructor.__name__}) lacks {keyword.name}"
+    assert "Other Parameters" in shown and "gen(prompt, **keywords)" in shown

@@ -12,6 +12,8 @@ import ast
 import builtins
 import fnmatch
 import pathlib
+import re
+import warnings
 from typing import NamedTuple
 
 import pytest
@@ -303,3 +305,64 @@ def test_a_failed_llama_decode_says_what_its_status_means():
         backend._decode([bad], [0], [SCRATCH_SEQ], [True])
     backend.llama.free_top(SCRATCH_SEQ)
     backend.verify()
+
+
+# -- messages that name the problem -------------------------------------------------------------
+def test_a_regex_that_matches_nothing_says_so(tiny):
+    with pytest.raises(ss.ConstraintError, match="matches no text at all") as err:
+        ss.regex(tiny, r"[^\s\S]")
+    assert "encoding" not in str(err.value) and "[^\\s\\S]" in str(err.value)
+
+
+@pytest.mark.parametrize("pattern, position, reason", [
+    ("(ab", 0, "missing \\), unterminated subpattern"),
+    ("ab{3,1}", 3, "min repeat greater than max repeat"),
+    ("[z-a]x", 1, "bad character range z-a"),
+])
+def test_a_regex_syntax_error_names_its_position(tiny, pattern, position, reason):
+    with pytest.raises(ss.ConstraintError, match=f"syntax error at position {position}: {reason}"
+                       ) as err:
+        ss.regex(tiny, pattern)
+    caret = str(err.value).splitlines()[-1]
+    assert caret.index("^") - 4 == position and "DFA" not in str(err.value)
+
+
+@pytest.mark.parametrize("pattern, position, construct, instead", [
+    (r"\d+(?=px)", 3, "the lookahead `(?=...)`", r"write `\d+px`"),
+    (r"(?<!-)\d+", 0, "the negative lookbehind `(?<!...)`", "ss.hooks"),
+    (r"(a|b)x\1", 6, r"the backreference `\1`", "repeat the group's pattern"),
+    (r"[(?=]\bcat", 5, r"the word boundary `\b`", "[^A-Za-z0-9_]"),
+    (r"\(?=(?>ab)", 4, "the atomic group `(?>...)`", "ordinary group"),
+])
+def test_an_unsupported_construct_says_which_and_what_instead(tiny, pattern, position,
+                                                              construct, instead):
+    with pytest.raises(ss.ConstraintError, match=re.escape(f"uses {construct} at position "
+                                                           f"{position}")) as err:
+        ss.regex(tiny, pattern)
+    assert instead in str(err.value) and "DFA" not in str(err.value)
+    assert str(err.value).splitlines()[-1].index("^") - 4 == position
+
+
+def test_a_model_mismatch_tells_two_loads_of_one_model_apart(tiny):
+    other = ss.models.testing.tiny()
+    assert repr(other) == repr(tiny)
+    s = ss.text(tiny)("Hi", max_tokens=1)
+    with pytest.raises(ss.ModelMismatch) as err:
+        ss.text(other)(s, max_tokens=1)
+    message = str(err.value)
+    assert hex(id(tiny)) in message and hex(id(other)) in message
+    assert "two loads of one model do not share states" in message
+    with pytest.raises(ss.ModelMismatch, match="only states of one model object concatenate"):
+        s + ss.text(other)("Hi", max_tokens=1)
+
+
+def test_a_greedy_warning_does_not_precede_the_error_it_leads_to(tiny):
+    three = ss.text(tiny)("Hi", max_tokens=1, num_samples=3, sampler=ss.multinomial(), seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")            # a warning would be raised before the error
+        with pytest.raises(ss.SampleMismatch):
+            ss.text(tiny)(three, max_tokens=1, num_samples=2)
+        with pytest.raises(ss.SampleMismatch):
+            ss.choice(tiny, ["a", "b"], method="score")(three, num_samples=2)
+    with pytest.warns(UserWarning, match="identical copies"):   # a valid call still warns
+        ss.text(tiny)("Hi", max_tokens=1, num_samples=2)

@@ -112,6 +112,22 @@ def test_ban_phrases_regex_and_case(tiny):
         ss.hooks.ban_phrases(["(unclosed"], regex=True)
 
 
+def test_ban_phrases_match_inside_words_unless_whole_words(tiny):
+    free = ss.text(tiny)("Once", max_tokens=30).value
+    word = next(m.group(1) for m in re.finditer(r" ([A-Za-z]{6,}) ", free))
+    inside = word[1:-1]                       # "car" inside "scars": part of a longer word
+    assert not re.search(rf"(?<!\w){inside}(?!\w)", free, re.I)
+    banned = ss.text(tiny)("Once", max_tokens=30, hooks=[ss.hooks.ban_phrases([inside])])
+    assert inside.lower() not in banned.value.lower()
+    kept = ss.text(tiny)("Once", max_tokens=30,
+                         hooks=[ss.hooks.ban_phrases([inside], whole_words=True)])
+    assert kept.value == free                 # only whole words are banned: nothing to do
+    whole = ss.text(tiny)("Once", max_tokens=30,
+                          hooks=[ss.hooks.ban_phrases([word], whole_words=True)])
+    assert not re.search(rf"(?<!\w){word}(?!\w)", whole.value[:-1], re.I)
+    assert whole.value[:free.index(word)] == free[:free.index(word)]
+
+
 def test_ban_that_the_constraint_forces_is_reported_before_compute(fresh_tiny):
     before = fresh_tiny.stats
     with pytest.raises(ss.ConstraintError, match="banned phrase"):

@@ -61,8 +61,13 @@ def test_score_one_list_per_batch_item(engine, reference):
     _check(reference, state, scores)
     means = scores.means[1, 0]          # the same floats averaged in another order: ~1 ulp
     assert means.tolist() == pytest.approx([sum(x) / len(x) for x in scores.logprobs[1][0]])
-    assert scores.best().tolist() == [[int(scores.sums[0, 0, :2].argmax())],
-                                      [int(scores.sums[1, 0].argmax())]]
+    first, second = int(scores.sums[0, 0, :2].argmax()), int(scores.sums[1, 0].argmax())
+    assert scores.best_index().tolist() == [[first], [second]]
+    # best(): the options as given, a text or a tuple of token ids
+    given = [[" there", (engine.encode(" you")[0],)], [" A", " B", " C and D"]]
+    assert scores.best() == [[given[0][first]], [given[1][second]]]
+    assert scores.best("means") == [[given[b][int(scores.means[b, 0].nan_to_num(-1e9).argmax())]]
+                                    for b in range(2)]
 
 
 def test_a_tail_longer_than_a_chunk_is_exact(tiny, monkeypatch):

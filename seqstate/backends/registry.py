@@ -107,6 +107,6 @@ def loader_names() -> dict[str, str]:
 
 register(Engine("hf", "seqstate.backends.hf", ("transformers", "from_hf", "from_outlines")))
 register(Engine("llama.cpp", "seqstate.backends.llamacpp", ("llamacpp",), library="llama_cpp",
-                install="`pip install llama-cpp-python` (it compiles llama.cpp: cmake and a "
-                        "C++ compiler), or `make test`, which installs it"))
+                install="`pip install \"seqstate[llama-cpp]\"` (it compiles llama.cpp: cmake and "
+                        "a C++ compiler), or `make llamacpp` in a checkout"))
 register(Engine("vllm", "seqstate.backends.vllm", ("vllm",)))

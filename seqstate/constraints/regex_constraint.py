@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from outlines_core import Index, Vocabulary
 
-from seqstate.constraints import spec
+from seqstate.constraints import regex_errors, spec
 from seqstate.constraints.base import Constraint, Cursor
 from seqstate.errors import ConstraintError
 
@@ -115,8 +115,7 @@ class RegexConstraint(Constraint):
         except ConstraintError:
             raise
         except Exception as exc:
-            raise ConstraintError(f"cannot compile regex {pattern!r}: {exc}; check the pattern "
-                                  "(Python `re` syntax, no lookarounds or backreferences)") from exc
+            raise ConstraintError(regex_errors.explain(pattern, exc)) from exc
         self._masks: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._complete: dict[int, bool] = {}     # per automaton state: bounded by its size
 

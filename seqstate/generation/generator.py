@@ -206,6 +206,7 @@ class Generator:
         state = SequenceState(self.model, tuple(rows), state.n_batch, state.n_samples)
         requests = prompts.requests(state, call, cursors, self.constraint is not None, healed,
                                     replays)
+        call.warn_unused()
         return state, requests, span_starts, healed
 
     def _free_text(self, span: Span) -> bool:

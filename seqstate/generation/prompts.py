@@ -29,8 +29,9 @@ def as_state(model: BaseModel, prompt: Prompt) -> SequenceState:
     ``model`` whose rows all have tokens."""
     if isinstance(prompt, SequenceState):
         if prompt.model is not model:
-            raise ModelMismatch(f"this state was made with {prompt.model!r} but the generator "
-                                f"uses {model!r}; build the generator on the state's model")
+            raise ModelMismatch.between(prompt.model, model, "the generator uses",
+                                        "build the generator on the state's model "
+                                        "(state.model), or load the model once and share it")
         if all(r.tokens for r in prompt.rows):
             return prompt
         # an empty row is continued like the empty prompt: from the start token

