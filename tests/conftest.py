@@ -15,6 +15,9 @@ import torch  # noqa: E402
 import seqstate as ss  # noqa: E402
 from seqstate.backends.base import single_threaded_torch  # noqa: E402
 
+# run in the vLLM server environment by test_vllm_plugin.py, never imported here
+collect_ignore = ["vllm_runners.py"]
+
 
 def pytest_addoption(parser):
     # tests/gpu/ runs on this device: the CPU in `make test`, CUDA in `make gpu-check`
