@@ -57,12 +57,14 @@ class ActivationCache(Mapping):
     >>> model = ss.models.testing.tiny()
     >>> story = ss.from_tokens(model, [model.encode("When Mary and John went")])
     >>> _ = story.next_logprobs()                        # stores the story's KV
-    >>> cache = (story + " to the store").run_with_cache(["blocks.1.hook_resid_post"])
-    >>> cache.positions.computed == (len(story.rows[0].tokens),)   # the rest was read
+    >>> names = ["blocks.1.hook_resid_post"]
+    >>> cache = (story + " to the store").run_with_cache(names)
+    >>> cache.positions.computed == (len(story.rows[0].tokens),)   # read
     True
-    >>> cache["blocks.1.hook_resid_post"].shape[:2] == (1, len(model.encode(" to the store")))
+    >>> suffix = len(model.encode(" to the store"))
+    >>> cache["blocks.1.hook_resid_post"].shape[:2] == (1, suffix)
     True
-    >>> cache.at("blocks.1.hook_resid_post", -1).shape     # each row's last position
+    >>> cache.at("blocks.1.hook_resid_post", -1).shape     # each row's last
     torch.Size([1, 64])
     """
 
@@ -101,10 +103,11 @@ class HookedState:
     >>> import seqstate as ss
     >>> model = ss.models.testing.tiny()
     >>> story = ss.from_tokens(model, [model.encode("When Mary and John went")])
-    >>> _ = story.next_logprobs()                        # the clean prefix, stored
+    >>> _ = story.next_logprobs()              # the clean prefix, stored
     >>> def zero_last(act, pos):
-    ...     act[pos.at(-1)] = 0                          # each row's last position
-    >>> patched = (story + " to").run_with_hooks({"blocks.0.hook_mlp_out": zero_last})
+    ...     act[pos.at(-1)] = 0                # each row's last position
+    >>> hooks = {"blocks.0.hook_mlp_out": zero_last}
+    >>> patched = (story + " to").run_with_hooks(hooks)
     >>> patched.next_logprobs().shape[:2]
     torch.Size([1, 1])
     """

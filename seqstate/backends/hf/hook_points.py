@@ -103,7 +103,8 @@ def resolve(hf_model: Any, name: str) -> HookPoint:
     >>> import seqstate as ss
     >>> hf = ss.models.testing.tiny().hf_model
     >>> point = resolve(hf, "blocks.1.attn.hook_z")
-    >>> point.module is hf.model.layers[1].self_attn.o_proj, point.input, point.heads
+    >>> o_proj = hf.model.layers[1].self_attn.o_proj
+    >>> point.module is o_proj, point.input, point.heads
     (True, True, 4)
     >>> resolve(hf, "model.layers.0.mlp").module is hf.model.layers[0].mlp
     True

@@ -97,19 +97,20 @@ def run_hooked(backend: Any, rows: Sequence[Sequence[int]], starts: Sequence[int
     past, width = max(h.length for h in handles), max(len(t) for t in tails)
     buf = KVBuffer(backend.num_layers, backend.kv_heads, backend.head_dim, len(rows),
                    past + width, backend.dtype, backend.device)
-    ids = torch.full((len(rows), width), backend.pad_token_id, dtype=torch.long)   # (R, T)
-    pos = torch.full((len(rows), width), -1, dtype=torch.long)                     # (R, T)
-    mask = torch.zeros(len(rows), past + width, dtype=torch.long)                  # (R, P+T)
+    device = backend.device
+    ids = torch.full((len(rows), width), backend.pad_token_id, dtype=torch.long,
+                     device=device)                                                # (R, T)
+    pos = torch.full((len(rows), width), -1, dtype=torch.long, device=device)      # (R, T)
+    mask = torch.zeros(len(rows), past + width, dtype=torch.long, device=device)   # (R, P+T)
     for i, (h, tail) in enumerate(zip(handles, tails)):
         buf.load(i, h, past)
-        ids[i, width - len(tail):] = torch.tensor(tail, dtype=torch.long)
-        pos[i, width - len(tail):] = torch.arange(h.length, h.length + len(tail))
+        ids[i, width - len(tail):] = torch.tensor(tail, dtype=torch.long, device=device)
+        pos[i, width - len(tail):] = torch.arange(h.length, h.length + len(tail), device=device)
         mask[i, past - h.length: past] = 1
         mask[i, past + width - len(tail):] = 1
     buf.length = past
     del handles
-    device = backend.device
-    positions = Positions(pos.to(device), tuple(len(r) - len(t) for r, t in zip(rows, tails)),
+    positions = Positions(pos, tuple(len(r) - len(t) for r, t in zip(rows, tails)),
                           tuple(len(r) for r in rows))
     captured: dict[str, torch.Tensor] = {}
     owner = threading.get_ident()
@@ -126,12 +127,11 @@ def run_hooked(backend: Any, rows: Sequence[Sequence[int]], starts: Sequence[int
         else:
             registered.append(point.module.register_forward_hook(hook))
     most = max(reads)
-    keep_cols = torch.arange(width - most, width).expand(len(rows), most)          # (R, K)
+    keep_cols = torch.arange(width - most, width, device=device).expand(len(rows), most)  # (R, K)
     try:
         plain = int(mask.sum()) == mask.numel()
-        logits = backend.forward(ids.to(device), None if plain else mask.to(device),
-                                 pos.to(device), as_cache(buf), logits=keep_cols.to(device),
-                                 scratch=True)                                     # (R, K, V)
+        logits = backend.forward(ids, None if plain else mask, pos, as_cache(buf),
+                                 logits=keep_cols, scratch=True)                   # (R, K, V)
     finally:
         for handle in registered:
             handle.remove()

@@ -3,13 +3,15 @@ how many data-parallel engines answer behind its URL, and its prefix-cache count
 
 Examples
 --------
->>> text = '''# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of tokens.
+>>> text = '''# HELP vllm:prefix_cache_hits_total Prefix cache hits.
 ... vllm:prefix_cache_hits_total{engine="0",model_name="m"} 96.0
 ... vllm:prefix_cache_hits_total{engine="1",model_name="m"} 32.0
 ... vllm:cache_config_info{block_size="32",engine="0"} 1.0'''
 >>> samples = parse(text)
->>> total(samples, "vllm:prefix_cache_hits"), engines(samples), block_size(samples)
-(128.0, 2, 32)
+>>> total(samples, "vllm:prefix_cache_hits")
+128.0
+>>> engines(samples), block_size(samples)
+(2, 32)
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ class Health:
     (False, False)
     >>> now[0] = 1.0; h.due()
     True
-    >>> h.fail("refused"); h.retry_at        # the second failure in a row waits twice as long
+    >>> h.fail("refused"); h.retry_at     # a second failure: twice as long
     3.0
     >>> h.succeed(); h.up
     True

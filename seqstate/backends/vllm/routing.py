@@ -23,7 +23,8 @@ Examples
 >>> router = Router(block=4)
 >>> first = router.route(list(range(12)), {0: 0, 1: 0, 2: 0})
 >>> router.record(list(range(12)), first)
->>> router.route(list(range(12)) + [7, 7, 7], {0: 0, 1: 0, 2: 0}) == first   # its continuation
+>>> continuation = list(range(12)) + [7, 7, 7]
+>>> router.route(continuation, {0: 0, 1: 0, 2: 0}) == first
 True
 """
 
@@ -33,6 +34,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+
+from seqstate.errors import ArgumentError
 
 __all__ = ["Router", "Lineage", "block_hashes", "rendezvous", "BLOCK", "SPILL",
            "LINEAGE_BLOCKS"]
@@ -120,7 +123,8 @@ class Router:
         """The replica among ``loads`` (replica -> requests in flight; those that can serve
         now) that ``tokens`` go to."""
         if not loads:
-            raise ValueError("route() needs at least one replica that can serve")
+            raise ArgumentError("route() needs at least one replica that can serve (loads "
+                                "maps each replica that can serve to its requests in flight)")
         hashes = block_hashes(tokens, self.block)
         depth, replica = self.lineage.longest(hashes, loads)
         if depth and 2 * depth * self.block >= len(tokens):
