@@ -270,8 +270,10 @@ def ban_phrases(phrases: Sequence[str], *, regex: bool = False, ignore_case: boo
     whole_words : bool, default False
         Match a phrase only where it is not part of a longer word (no word character,
         ``\w``, right before or after it).  Whether a word goes on is known only from the
-        next character, so the row rolls back when that character comes (EOS counts as one);
-        a row cut by ``max_tokens`` right after a phrase keeps it.
+        next character, so the row rolls back when that character comes (a sampled EOS
+        counts as one).  A row that ends right after a phrase with no character to come keeps
+        it: one cut by ``max_tokens``, or one whose constraint completes there
+        (``choice(model, ["car"])`` writes "car"; such a constraint is not refused up front).
     lookback : int, default 200
         For regular expressions: how far back (in characters) a match may start.  Plain
         phrases need no more than the longest phrase's length, which is what they use.
