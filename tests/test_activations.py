@@ -107,7 +107,8 @@ def test_start_0_recomputes_every_position(tiny):
                  "activations: at(3)")
 
 
-@pytest.mark.parametrize("which", ["tiny", pytest.param("real", marks=pytest.mark.real)])
+@pytest.mark.parametrize("which", ["tiny", pytest.param("real", marks=pytest.mark.real),
+                                   pytest.param("gemma", marks=pytest.mark.real)])
 def test_a_patched_run_equals_a_patched_full_forward(which, request):
     model = request.getfixturevalue(which)
     story, clean, corrupt = _states(model)

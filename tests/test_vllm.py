@@ -307,6 +307,19 @@ def test_vllms_ranges_refuse_only_what_the_sampler_lets_through():
     assert sampling_of(ss.greedy()) == {"temperature": 0.0}
 
 
+def test_a_server_that_ignores_forcing_names_both_plugins(vllm, monkeypatch):
+    # a server started without the plugin ignores the spec: its greedy tokens come back
+    backend = vllm.backend
+    served = backend.complete
+    monkeypatch.setattr(backend, "complete", lambda tokens, *, spec=None, **kw:
+                        served(tokens, **kw))
+    state = ss.text(vllm)("The capital of France is", max_tokens=1)
+    with pytest.raises(ss.EngineError, match="plugin loaded") as err:
+        state.score([" zebra zebra zebra"])
+    assert "SeqStateLogitsProcessor " in str(err.value)
+    assert "SeqStateLogitsProcessorV2" in str(err.value)
+
+
 def test_a_vocabulary_that_differs_is_refused(vllm):
     odd = VllmBackend(vllm.backend.client, vllm.backend.served, vllm.vocab.size, "0" * 64,
                       vllm.context_length)

@@ -18,6 +18,8 @@ import signal
 import ssl
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -177,9 +179,41 @@ def test_lm_eval_on_the_server_equals_the_hf_engine(keyed, real, record_property
 
 
 # -- what serve decides before starting anything -----------------------------------------------
-def _server(**options) -> Server:
+def _server(kind=Server, **options) -> Server:
     """A `Server` that is never started (no server environment needed: any Python file)."""
-    return Server(python=sys.executable, **{"runner_v2": False, **options})
+    return kind(python=sys.executable, **{"runner_v2": False, **options})
+
+
+STAND_IN = """
+import http.server
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", {port}), Health).serve_forever()
+"""
+
+
+class _StandIn(Server):
+    """A `Server` whose process is a stand-in that answers ``/health`` (no vLLM needed)."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", STAND_IN.format(port=self.port)]
+
+
+def test_a_server_started_from_a_thread_outlives_the_thread():
+    # Linux ends a child marked "end with parent" when the *thread* that forked it ends
+    server = _server(_StandIn)
+    starter = threading.Thread(target=server.start)
+    starter.start()
+    starter.join()
+    try:
+        deadline = time.monotonic() + 2
+        while server.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.process.poll() is None and server.healthy()
+    finally:
+        server.stop()
 
 
 def test_a_cpu_gets_the_exact_profile_and_cuda_gets_vllms_defaults():

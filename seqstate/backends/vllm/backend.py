@@ -27,6 +27,7 @@ from seqstate.backends.base import Capabilities, RequestBackend, Scored, Token, 
 from seqstate.backends.vllm.client import Client, ServerDown
 from seqstate.backends.vllm.pool import Pool, Replica
 from seqstate.backends.vllm.routing import BLOCK
+from seqstate.backends.vllm.server import PLUGINS
 from seqstate.backends.vllm.wire import BOUND, FAILED, PENDING, SIGNAL_KINDS, SIGNALS, vllm_xargs
 from seqstate.constraints import spec as keys
 from seqstate.errors import ArgumentError, CapabilityError, ConstraintError, EngineError
@@ -352,8 +353,9 @@ class VllmBackend(RequestBackend):
                if t.token is not None]
         if [t.token for t in got] != list(continuation):
             raise EngineError("the vLLM server did not return the forced tokens; is seqstate's "
-                              "plugin loaded (--logits-processors seqstate_vllm:"
-                              "SeqStateLogitsProcessor)?")
+                              "plugin loaded? (`--logits-processors` with "
+                              f"{PLUGINS[False]} on vLLM's V1 model runner, "
+                              f"{PLUGINS[True]} on Model Runner V2)")
         return Scored(tuple(t.logprob for t in got), tuple(t.argmax for t in got))
 
     def close(self) -> None:

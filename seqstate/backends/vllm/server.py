@@ -33,6 +33,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,13 @@ def _link(source: Path, target: Path) -> None:
     if target.exists() or target.is_symlink():
         target.unlink()
     target.symlink_to(source.resolve())
+
+
+# Linux sends PR_SET_PDEATHSIG's signal when the *thread* that forked the child ends, not
+# its process: a server started from a worker thread (a thread pool, `asyncio.to_thread`)
+# would be stopped as soon as that thread finished.  So every server is forked by this one
+# thread, which lives as long as the process.
+_SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="seqstate-vllm-spawner")
 
 
 def _end_with_parent() -> None:
@@ -322,9 +330,10 @@ class Server:
         """Start the server and wait for ``/health``; `EngineError` (with the end of its
         log) where it exits or does not answer within ``timeout`` seconds."""
         out = self.log if self.log is not None else subprocess.DEVNULL
-        self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=out,
-                                        stderr=subprocess.STDOUT, start_new_session=True,
-                                        preexec_fn=_end_with_parent)
+        self.process = _SPAWNER.submit(subprocess.Popen, self.command(), env=self.environment(),
+                                       stdout=out, stderr=subprocess.STDOUT,
+                                       start_new_session=True,
+                                       preexec_fn=_end_with_parent).result()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
