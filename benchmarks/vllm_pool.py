@@ -13,8 +13,10 @@ served in its dev mode); hit rates are the servers' own ``/metrics`` counters
 - ``round robin``: each request to the next server in turn (an L7 balancer without
   affinity);
 - ``pool``: seqstate's routing by lineage;
-- ``pool, one killed``: the pool again, the third server killed (SIGKILL) once a third of the
-  programs are done; every program must finish with the one-server run's tokens.
+- ``pool, one killed``: the pool again, the server with the most requests in flight killed
+  (SIGKILL) once a third of the programs are done; every program must finish with the
+  one-server run's tokens.  The killed server's counters die with it: the hit rate is the
+  survivors'.
 """
 
 from __future__ import annotations
@@ -103,14 +105,14 @@ def run(model, docs, kill=None) -> tuple[float, list]:
     return time.perf_counter() - t0, results
 
 
-def counters(http, urls) -> list[tuple[float, float]]:
-    """Each server's (queries, hits) in tokens, from its /metrics ((0, 0) if it is gone)."""
+def counters(http, urls) -> list[tuple[float, float] | None]:
+    """Each server's (queries, hits) in tokens, from its /metrics (None if it is gone)."""
     out = []
     for url in urls:
         try:
             samples = metrics.parse(http.request("GET", url + "/metrics").data.decode())
         except urllib3.exceptions.HTTPError:
-            out.append((0.0, 0.0))
+            out.append(None)
             continue
         out.append((metrics.total(samples, "vllm:prefix_cache_queries"),
                     metrics.total(samples, "vllm:prefix_cache_hits")))
@@ -123,9 +125,12 @@ def measured(name, model, urls, http, docs, kill=None):
     before = counters(http, urls)
     seconds, results = run(model, docs, kill)
     after = counters(http, urls)
-    per = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]
-    queries, hits = sum(q for q, _ in per), sum(h for _, h in per)
-    spread = " ".join(f"{h / q:.2f}" if q else "-" for q, h in per)
+    # a killed server's counters are gone with it: its share is left out
+    per = [(a[0] - b[0], a[1] - b[1]) if a else None for a, b in zip(after, before)]
+    queries = sum(p[0] for p in per if p)
+    hits = sum(p[1] for p in per if p)
+    spread = " ".join("killed" if p is None else f"{p[1] / p[0]:.2f}" if p[0] else "-"
+                      for p in per)
     print(f"  {name:<18} {seconds:7.1f} s   hit rate {hits / max(1, queries):.3f}   "
           f"({hits:.0f} of {queries:.0f} prompt tokens; per server {spread})")
     return results
@@ -152,10 +157,11 @@ def main(model=None) -> None:
         ours = measured("pool", pool, urls, http, docs)
         survivors = ss.models.vllm(urls)
 
-        def kill():
-            os.killpg(servers[-1].process.pid, signal.SIGKILL)
-            print(f"  (killed {urls[-1]} with "
-                  f"{survivors.replicas[-1].load} requests in flight)")
+        def kill():                        # the replica with the most requests in flight
+            busiest = max(range(SERVERS), key=lambda i: survivors.replicas[i].load)
+            print(f"  (killing {urls[busiest]} with "
+                  f"{survivors.replicas[busiest].load} requests in flight)")
+            os.killpg(servers[busiest].process.pid, signal.SIGKILL)
 
         failover = measured("pool, one killed", survivors, urls, http, docs, kill)
         for name, got in (("round robin", robin), ("pool", ours),
