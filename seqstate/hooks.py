@@ -210,9 +210,10 @@ def checked(hook: Hook, action: Action, row, token: int, allowed: Callable[[int]
 class _BanPhrases(Hook):
     """The hook behind `ban_phrases()`."""
 
-    def __init__(self, pattern: re.Pattern, lookback: int) -> None:
+    def __init__(self, pattern: re.Pattern, lookback: int, banned: str) -> None:
         self.pattern = pattern
         self.lookback = lookback
+        self.banned = banned            # every banned text, as one regex interegular reads
 
     def forced_by(self, constraint_regex: str) -> bool:
         """True when every text matching ``constraint_regex`` contains a banned phrase.
@@ -225,7 +226,7 @@ class _BanPhrases(Hook):
         flags = "(?i)" if self.pattern.flags & re.IGNORECASE else ""
         try:
             allowed = interegular.parse_pattern(constraint_regex).to_fsm()
-            banned = interegular.parse_pattern(f"{flags}(.|\n)*({self.pattern.pattern})(.|\n)*").to_fsm()
+            banned = interegular.parse_pattern(flags + self.banned).to_fsm()
             return (allowed - banned).empty()
         except Exception:                   # interegular does not support every construct
             return False
@@ -272,8 +273,9 @@ def ban_phrases(phrases: Sequence[str], *, regex: bool = False, ignore_case: boo
         ``\w``, right before or after it).  Whether a word goes on is known only from the
         next character, so the row rolls back when that character comes (a sampled EOS
         counts as one).  A row that ends right after a phrase with no character to come keeps
-        it: one cut by ``max_tokens``, or one whose constraint completes there
-        (``choice(model, ["car"])`` writes "car"; such a constraint is not refused up front).
+        it: one cut by ``max_tokens``, or one whose constraint completes there while it
+        allowed other text too (a choice of "car" or "scar" may write "car").  A constraint
+        whose every text holds the word (``choice(model, ["car"])``) is refused up front.
     lookback : int, default 200
         For regular expressions: how far back (in characters) a match may start.  Plain
         phrases need no more than the longest phrase's length, which is what they use.
@@ -299,6 +301,10 @@ def ban_phrases(phrases: Sequence[str], *, regex: bool = False, ignore_case: boo
     if isinstance(phrases, str) or not phrases or not all(isinstance(p, str) and p for p in phrases):
         raise ConstraintError(f"ban_phrases needs a non-empty list of non-empty strings, got {phrases!r}")
     body = "|".join(phrases if regex else sorted(map(re.escape, phrases), key=len, reverse=True))
+    anything = "(.|\n)*"
+    # up front, the start and the end of the text are word boundaries too
+    banned = (f"({anything}\\W)?({body})(\\W{anything})?" if whole_words
+              else f"{anything}({body}){anything}")
     if whole_words:
         # the character after the phrase is part of the match: it completes when that comes
         body = f"(?<!\\w)(?:{body})(?:\\W)"
@@ -306,4 +312,5 @@ def ban_phrases(phrases: Sequence[str], *, regex: bool = False, ignore_case: boo
         pattern = re.compile(body, re.IGNORECASE if ignore_case else 0)
     except re.error as exc:
         raise ConstraintError(f"invalid banned-phrase regex: {exc}") from exc
-    return _BanPhrases(pattern, (lookback if regex else max(map(len, phrases))) + whole_words)
+    return _BanPhrases(pattern, (lookback if regex else max(map(len, phrases))) + whole_words,
+                       banned)

@@ -128,6 +128,19 @@ def test_ban_phrases_match_inside_words_unless_whole_words(tiny):
     assert whole.value[:free.index(word)] == free[:free.index(word)]
 
 
+def test_a_whole_word_ban_that_the_constraint_forces_is_refused_up_front(fresh_tiny):
+    words = ss.hooks.ban_phrases(["car"], whole_words=True)
+    before = fresh_tiny.stats
+    with pytest.raises(ss.ConstraintError, match="banned phrase"):
+        ss.choice(fresh_tiny, ["car", "Car"])("A word: ", hooks=[words])
+    assert (fresh_tiny.stats - before).forward_calls == 0      # refused before compute
+    # the start and end of the text bound a word; "carcar" and "scar" hold no whole "car"
+    assert [words.forced_by(r) for r in ("car", "the car is", "(car)+", "scar|car", "s?car")] \
+        == [True, True, False, False, False]
+    assert ss.choice(fresh_tiny, ["scar", "cart"])("A word: ", hooks=[words]).value \
+        in ("scar", "cart")
+
+
 def test_ban_that_the_constraint_forces_is_reported_before_compute(fresh_tiny):
     before = fresh_tiny.stats
     with pytest.raises(ss.ConstraintError, match="banned phrase"):
