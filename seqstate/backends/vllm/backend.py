@@ -27,8 +27,8 @@ from seqstate.backends.base import Capabilities, RequestBackend, Scored, Token, 
 from seqstate.backends.vllm.client import Client, ServerDown
 from seqstate.backends.vllm.pool import Pool, Replica
 from seqstate.backends.vllm.routing import BLOCK
-from seqstate.backends.vllm.server import PLUGINS
-from seqstate.backends.vllm.wire import BOUND, FAILED, PENDING, SIGNAL_KINDS, SIGNALS, vllm_xargs
+from seqstate.backends.vllm.wire import (BOUND, FAILED, PENDING, PLUGINS, SIGNAL_KINDS, SIGNALS,
+                                         vllm_xargs)
 from seqstate.constraints import spec as keys
 from seqstate.errors import ArgumentError, CapabilityError, ConstraintError, EngineError
 from seqstate.finish import FinishReason

@@ -38,16 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from seqstate.backends.vllm.vocab import served_eos, vocabulary_table
-from seqstate.backends.vllm.wire import VOCAB_ENV, VOCAB_FILE
+from seqstate.backends.vllm.wire import PLUGINS, VOCAB_ENV, VOCAB_FILE
 from seqstate.errors import ArgumentError, EngineError, ModelNotAvailable
 
 __all__ = ["Server", "server_python", "model_folder", "free_port", "loopback", "keyed",
            "FLAGS", "EXACT", "VENV", "PLUGINS", "RUNNER_ENV"]
 
 VENV = ".venv-vllm"
-# the plugin's processor for each model runner: V1's interface, Model Runner V2's
-PLUGINS = {False: "seqstate_vllm:SeqStateLogitsProcessor",
-           True: "seqstate_vllm:SeqStateLogitsProcessorV2"}
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 # run in the server environment: whether its torch sees CUDA and, with --triton, whether its
 # vLLM finds a usable Triton (vLLM 0.32 runs Model Runner V2 by default exactly where it does)

@@ -29,8 +29,12 @@ import json
 from typing import Any
 
 __all__ = ["XARGS_KEY", "VOCAB_KEY", "VOCAB_FILE", "VOCAB_ENV", "SIGNALS", "SIGNAL_KINDS",
-           "PENDING", "FAILED", "BOUND", "BROKE", "fingerprint", "vllm_xargs"]
+           "PENDING", "FAILED", "BOUND", "BROKE", "PLUGINS", "fingerprint", "vllm_xargs"]
 
+# the plugin's processor for each model runner (``--logits-processors``): V1's interface,
+# Model Runner V2's
+PLUGINS = {False: "seqstate_vllm:SeqStateLogitsProcessor",
+           True: "seqstate_vllm:SeqStateLogitsProcessorV2"}
 XARGS_KEY = "seqstate"
 """The ``vllm_xargs`` entry the plugin reads (vLLM passes it as ``SamplingParams.extra_args``)."""
 VOCAB_KEY = "vocab"
