@@ -86,7 +86,7 @@ chromium:
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
 test: $(STAMP) $(LLAMA) $(VLLM) chromium
-	SEQSTATE_REQUIRE_LLAMACPP=1 SEQSTATE_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q tests docs README.md seqstate grammars --markdown-docs --markdown-docs-syntax=superfences --doctest-modules
+	SEQSTATE_REQUIRE_LLAMACPP=1 SEQSTATE_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q --durations=40 tests docs README.md seqstate grammars --markdown-docs --markdown-docs-syntax=superfences --doctest-modules
 	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 # The exactness subset on CUDA (tests/gpu/; `make test` runs it on the CPU); without a CUDA

@@ -280,6 +280,19 @@ def test_serve_passes_the_processor_of_the_runner_vllm_runs(vllm_python, monkeyp
         Server(python=vllm_python)
 
 
+@pytest.mark.vllm
+def test_the_environment_is_probed_once_per_process(vllm_python, monkeypatch):
+    """Each `Server` needs to know whether its environment's torch sees CUDA and which model
+    runner its vLLM picks (a subprocess that imports vLLM); the second one does not ask again."""
+    monkeypatch.delenv(RUNNER_ENV, raising=False)
+    first = Server(python=vllm_python)
+    asked = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: asked.append(a))
+    second = Server(python=vllm_python)
+    assert not asked
+    assert (second.cuda, second.runner_v2) == (first.cuda, first.runner_v2)
+
+
 def test_the_key_goes_to_vllm_in_the_environment_not_the_command_line(monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     server = _server(cuda=False, api_key=KEY)

@@ -23,6 +23,7 @@ runner whose processor it is given.
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import json
 import os
@@ -195,9 +196,11 @@ def _chosen_runner() -> bool | None:
                             ) from None
 
 
+@functools.cache
 def _probe(python: Path, triton: bool) -> dict[str, bool]:
     """Whether the server environment's torch sees CUDA (``cuda``) and, with ``triton``,
-    whether its vLLM finds a usable Triton (``triton``; slower: it imports vLLM)."""
+    whether its vLLM finds a usable Triton (``triton``; slower: it imports vLLM).  Asked once
+    per environment and process: every `Server` after the first starts without the wait."""
     probe = subprocess.run([str(python), "-c", _PROBE, *(["--triton"] if triton else [])],
                            capture_output=True, text=True, timeout=300)
     answer = [line for line in probe.stdout.splitlines() if line.startswith("{")]
