@@ -152,3 +152,39 @@ def test_lm_evals_hf_backend_groups_rows_as_the_lm_eval_page_says(fresh_tiny):
 def test_reliability_page_describes_the_scheduler():
     page = (ROOT / "docs/concepts/reliability.md").read_text()
     assert "serialised" not in page and "one worker thread" in page
+
+
+PAGE = """# A page
+
+```python
+import pathlib
+pathlib.Path("{log}").open("a").write("first block ran\\n")
+items = [1]
+```
+
+```{{.python continuation}}
+items.append(2)
+```
+
+```{{.python continuation}}
+assert items == [1, 2], items
+items.append(3)
+raise RuntimeError("the third block fails here")
+```
+"""
+
+
+def test_a_continuation_block_runs_only_its_own_code_after_the_blocks_before(tmp_path):
+    """docs/conftest.py: the page's first block runs once, not once per block after it (the
+    plugin's own runner ran it three times here), and a failing block's traceback still names
+    its line on the page."""
+    log = tmp_path / "ran.txt"
+    (tmp_path / "page.md").write_text(PAGE.format(log=log))
+    shutil.copy(ROOT / "docs" / "conftest.py", tmp_path / "conftest.py")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "--markdown-docs", "--markdown-docs-syntax=superfences",
+                          str(tmp_path / "page.md")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "2 passed, 1 failed" in run.stdout or "1 failed, 2 passed" in run.stdout, run.stdout
+    assert log.read_text() == "first block ran\n"
+    assert 'page.md", line 16' in run.stdout and "the third block fails here" in run.stdout
