@@ -20,7 +20,7 @@ import pytest
 import uvicorn
 
 SERVICE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "cookbook" / "service.py"
-CLIENTS = {"hf": 64, "llama.cpp": 16, "vllm": 16}    # concurrent clients per engine (time)
+CLIENTS = {"hf": 64, "llama.cpp": 8, "vllm": 8}      # concurrent clients per engine (time)
 
 
 def service():
