@@ -25,7 +25,8 @@ class ContinuingRunner(DefaultRunner):
     def runtest(self, test, args, *, asyncio_runner=None):
         full = test.source
         last, ContinuingRunner.last = ContinuingRunner.last, None   # a failure keeps nothing
-        if last is not None and not test.fixture_names and full.startswith(last[0]):
+        if (last is not None and not test.fixture_names and len(full) > len(last[0])
+                and full.startswith(last[0])):
             done, args = last
             # the code already run becomes blank lines: tracebacks keep the page's line numbers
             test = dataclasses.replace(test, source="\n" * done.count("\n") + full[len(done):])
