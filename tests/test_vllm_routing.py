@@ -1,17 +1,25 @@
-"""The pool's routing rules and health states, without servers (`seqstate.backends.vllm.routing`,
-`seqstate.backends.vllm.pool.Health`)."""
+"""The pool's routing rules, health states and failover, without vLLM servers
+(`seqstate.backends.vllm.routing`, `seqstate.backends.vllm.pool`): replicas are stand-ins,
+and a cut stream comes from a stand-in HTTP server on loopback."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import json
 import random
+import threading
+import time
 
 import pytest
 
 import seqstate as ss
 from seqstate.backends.vllm import metrics
-from seqstate.backends.vllm.client import ServerDown
+from seqstate.backends.vllm.backend import VllmBackend
+from seqstate.backends.vllm.client import Client, ServerDown
 from seqstate.backends.vllm.pool import PROBE_AFTER, Health, Pool, Replica
 from seqstate.backends.vllm.routing import Lineage, Router, block_hashes, rendezvous
+from seqstate.finish import FinishReason
 
 IDLE = {0: 0, 1: 0, 2: 0}
 
@@ -132,20 +140,37 @@ def test_metrics_name_the_engines_the_block_size_and_the_cache_counters():
 
 
 class _Client:
-    """A stand-in for `Client` where only its ``/health`` matters (`Pool` asks no more)."""
+    """A stand-in for `Client` where only its ``/health`` matters (`Pool` asks no more):
+    it counts its ``probes``, and runs ``during`` (once) while the first is in flight."""
 
     def __init__(self, url: str, alive: bool = True) -> None:
         self.url, self.up = url, alive
+        self.probes = 0
+        self.during = None
 
     def alive(self) -> bool:
+        self.probes += 1
+        during, self.during = self.during, None
+        if during is not None:
+            during()
         return self.up
 
     def close(self) -> None:
         pass
 
 
-def _pool(n: int = 3) -> Pool:
-    return Pool([Replica(_Client(f"http://10.0.0.{i}:8000")) for i in range(n)], block=16)
+def _pool(n: int = 3, clock=time.monotonic) -> Pool:
+    return Pool([Replica(_Client(f"http://10.0.0.{i}:8000"), clock=clock) for i in range(n)],
+                block=16)
+
+
+def _request(pool: Pool, tokens: list[int]) -> Replica:
+    """The replica a request of ``tokens`` goes to (probing what is due first)."""
+    attempts = pool.attempts(tokens)
+    try:
+        return next(attempts)
+    finally:
+        attempts.close()
 
 
 def test_a_pool_hands_out_the_next_replica_after_each_failure_then_raises():
@@ -181,3 +206,131 @@ def test_a_5xx_from_a_replica_whose_health_answers_is_the_requests_own_error():
     replica.client.up = False                        # the same answer, /health silent: down
     pool.failed(replica, error)
     assert sorted(r.health for r in pool.info()) == ["down", "up"]
+
+
+def test_a_down_replica_is_probed_when_due_and_rejoins_while_another_serves():
+    now = [0.0]
+    pool = _pool(2, clock=lambda: now[0])
+    down, other = pool.replicas
+    down.client.up = False
+    pool.failed(down, ServerDown("connection refused"))   # as a replica down at start-up
+    tokens = _tokens(8, 64)
+    assert _request(pool, tokens) is other and down.client.probes == 0   # not due yet
+    now[0] = PROBE_AFTER[0]
+    assert _request(pool, tokens) is other and down.client.probes == 1   # due: probed, silent
+    now[0] += PROBE_AFTER[0]
+    assert _request(pool, tokens) is other and down.client.probes == 1   # its wait doubled
+    down.client.up = True
+    now[0] = 10 * PROBE_AFTER[1]
+    _request(pool, tokens)
+    assert down.client.probes == 2 and down.health.up    # answered: it rejoined
+
+
+def test_a_due_probe_is_made_by_one_request_while_the_others_go_on():
+    now = [0.0]
+    pool = _pool(2, clock=lambda: now[0])
+    down, other = pool.replicas
+    pool.failed(down, ServerDown("connection refused"))
+    now[0] = PROBE_AFTER[0]
+    meanwhile: list[Replica] = []
+    down.client.during = lambda: meanwhile.append(_request(pool, _tokens(9, 64)))
+    _request(pool, _tokens(10, 64))
+    assert meanwhile == [other] and down.client.probes == 1 and down.health.up
+
+
+def test_a_server_that_fails_takes_every_rank_behind_its_url_down_and_one_probe_brings_them_back():
+    now = [0.0]
+    server, spare = _Client("http://10.0.0.1:8000"), _Client("http://10.0.0.2:8000")
+    ranks = [Replica(server, rank, clock=lambda: now[0]) for rank in range(3)]
+    pool = Pool([*ranks, Replica(spare, clock=lambda: now[0])], block=16)
+    server.up = False
+    pool.failed(ranks[1], ServerDown("connection reset"))
+    assert [r.health.up for r in pool.replicas] == [False, False, False, True]
+    assert all(_request(pool, _tokens(s, 64)) is pool.replicas[3] for s in range(10))
+    server.up = True
+    now[0] = PROBE_AFTER[0]
+    _request(pool, _tokens(11, 64))
+    assert server.probes == 1 and all(r.health.up for r in pool.replicas)
+
+
+def test_the_requests_in_flight_on_a_server_that_fails_count_as_one_failure():
+    now = [0.0]
+    pool = _pool(2, clock=lambda: now[0])
+    tokens = _tokens(12, 64)
+    flights = [pool.attempts(tokens) for _ in range(4)]
+    replicas = [next(f) for f in flights]
+    home = replicas[0]
+    assert all(r is home for r in replicas) and home.load == 4
+    home.client.up = False
+    for replica in replicas:
+        pool.failed(replica, ServerDown("connection reset"))
+    assert home.health.failures == 1 and home.health.retry_at == PROBE_AFTER[0]
+    for flight in flights:
+        flight.close()
+
+
+class _Streaming(http.server.BaseHTTPRequestHandler):
+    """Streams three tokens as vLLM does, then ``data: [DONE]``; while the server's ``cuts``
+    (shared by the stand-ins of a test) last, a request loses its last token and ``[DONE]``
+    instead, the connection closed cleanly (as by a proxy that gives up)."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        with self.server.lock:
+            cut = self.server.cuts[0] > 0
+            self.server.cuts[0] -= cut
+        for k, token in enumerate((504, 3458, 11)[:2 if cut else 3]):
+            event = {"choices": [{"index": 0, "token_ids": [token],
+                                  "finish_reason": "length" if k == 2 else None,
+                                  "logprobs": {"token_logprobs": [-1.0],
+                                               "top_logprobs": [{f"token_id:{token}": -1.0}]}}]}
+            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+        if not cut:
+            self.wfile.write(b"data: [DONE]\n\n")
+
+
+@contextlib.contextmanager
+def _stand_ins(n: int):
+    """``n`` stand-in servers on loopback ports of their own, and their shared ``cuts``
+    (a one-item list: how many of the next requests to any of them are cut)."""
+    cuts, lock = [0], threading.Lock()
+    servers = []
+    try:
+        for _ in range(n):
+            httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Streaming)
+            httpd.cuts, httpd.lock = cuts, lock
+            threading.Thread(target=httpd.serve_forever, daemon=True).start()
+            servers.append(httpd)
+        yield [f"http://127.0.0.1:{s.server_address[1]}" for s in servers], cuts
+    finally:
+        for httpd in servers:
+            httpd.shutdown()
+            httpd.server_close()
+
+
+def test_a_stream_closed_before_done_is_a_server_failure_and_is_sent_again():
+    with _stand_ins(2) as (urls, cuts):
+        client = Client(urls[0])
+        try:
+            cuts[0] = 1
+            with pytest.raises(ServerDown, match=r"\[DONE\]"):
+                list(client.stream("/v1/completions", {"prompt": [1]}))
+            assert len(list(client.stream("/v1/completions", {"prompt": [1]}))) == 3
+        finally:
+            client.close()
+        pool = Pool([Replica(Client(url)) for url in urls], block=16)
+        backend = VllmBackend(pool, "m", 50_000, "0" * 64, 512)
+        try:
+            cuts[0] = 1                    # the replica the request goes to first cuts it
+            got = list(backend.complete([1, 2, 3], max_tokens=3, sampler=ss.greedy()))
+        finally:
+            backend.close()
+    assert [t.token for t in got] == [504, 3458, 11]
+    assert got[-1].finish is FinishReason.MAX_TOKENS
+    assert sorted(r.health.up for r in pool.replicas) == [False, True]

@@ -90,7 +90,8 @@ class Client:
                headers: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
         """The server-sent events of a streamed request, as parsed JSON objects.  Closing
         the iterator early closes the connection, which makes vLLM abort the request.
-        ``headers`` go with this request only (``X-data-parallel-rank``)."""
+        ``headers`` go with this request only (``X-data-parallel-rank``).  `ServerDown`
+        where the stream breaks or ends without vLLM's closing ``data: [DONE]``."""
         response = self._send("POST", path, {**body, "stream": True}, stream=True,
                               headers=headers)
         with self._lock:
@@ -110,6 +111,10 @@ class Client:
                 if "error" in event:
                     raise _error(event["error"].get("code", 500), event["error"], self.url)
                 yield event
+            # vLLM ends every stream with [DONE], errors too: a stream closed before it was cut
+            raise ServerDown(f"the vLLM server at {self.url} closed the stream before its "
+                             "closing [DONE]: did it, or a proxy in front of it, stop "
+                             "mid-request?")
         finally:
             with self._lock:
                 self._open.discard(response)

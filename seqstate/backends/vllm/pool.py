@@ -3,10 +3,12 @@
 A replica is a server URL, or one data-parallel rank behind a URL (requests carry vLLM's
 ``X-data-parallel-rank`` header).  `Pool.attempts` hands a request's replicas out one at a
 time: the one `Router` picks, then, each time the caller comes back because that one failed
-as a server (`ServerDown`), the next.  A replica that failed is down (`Health`): requests
-skip it until its next probe of ``/health`` is due, and it rejoins when a probe answers.
-When every replica is down, each is probed at once; only when none answers does the call
-raise `EngineError`.
+as a server (`ServerDown`), the next.  A replica that failed is down (`Health`), with every
+other rank behind its URL: requests skip it until its next probe of ``/health`` is due.  The
+first request to find the probe due makes it before choosing (waiting at most the probe's
+timeout, `client.PROBE_TIMEOUT`), and the replica rejoins when it answers.  When every
+replica is down, each is probed at once; only when none answers does the call raise
+`EngineError`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class Health:
     True
     >>> h.fail("refused"); h.retry_at     # a second failure: twice as long
     3.0
+    >>> now[0] = 3.0; (h.claim(), h.claim())   # one caller takes the probe that is due
+    (True, False)
     >>> h.succeed(); h.up
     True
     """
@@ -67,6 +71,14 @@ class Health:
     def due(self) -> bool:
         """Whether a down replica's next probe is due."""
         return not self.up and self.clock() >= self.retry_at
+
+    def claim(self) -> bool:
+        """Whether a down replica's next probe is due, taking it if so: until the probe's
+        answer (`succeed` or `fail`), or the longest wait, it is not due to anyone else."""
+        if not self.due():
+            return False
+        self.retry_at = self.clock() + PROBE_AFTER[1]
+        return True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -140,20 +152,21 @@ class Pool:
 
     def attempts(self, tokens: Sequence[int]) -> Iterator[Replica]:
         """The replicas to try for a request of ``tokens``, one at a time: the caller takes
-        the next only after calling `failed` on the last.  Each is counted in flight until
-        the caller takes the next or closes the iterator.  `EngineError` when none is left
-        that can serve (each down one probed first)."""
+        the next only after calling `failed` on the last.  Before each choice, the down
+        replicas whose probe is due are probed.  Each is counted in flight until the caller
+        takes the next or closes the iterator.  `EngineError` when none is left that can
+        serve (each down one probed first)."""
         tried: set[int] = set()
         errors: list[str] = []
         while True:
             with self._lock:
+                everyone = not errors and not any(r.health.up for r in self.replicas)
+            self._probe(tried, everyone)
+            with self._lock:
                 loads = {i: r.load for i, r in enumerate(self.replicas)
                          if r.health.up and i not in tried}
-            if not loads:
-                loads = self._probe(tried, everyone=not errors)
-            if not loads:
-                raise EngineError(self._none_left(errors))
-            with self._lock:
+                if not loads:
+                    raise EngineError(self._none_left(errors))
                 index = next(iter(loads))
                 if len(self.replicas) > 1:            # one server: nothing to choose
                     index = self.router.route(tokens, loads)
@@ -168,22 +181,21 @@ class Pool:
                     replica.load -= 1
             errors.append(f"{replica.name}: {replica.health.reason or 'failed'}")
 
-    def _probe(self, tried: set[int], everyone: bool) -> dict[int, int]:
-        """Probe the down replicas not yet tried (every one when ``everyone``, else those
-        due); those that answer rejoin.  Their loads."""
+    def _probe(self, tried: set[int], everyone: bool) -> None:
+        """Probe the down replicas not yet tried: every one when ``everyone``, else those
+        whose probe is due and that this caller claims (`Health.claim`), so concurrent
+        requests do not probe one server together.  Those that answer rejoin."""
         with self._lock:
-            down = [(i, r) for i, r in enumerate(self.replicas)
-                    if i not in tried and not r.health.up and (everyone or r.health.due())]
-        loads = {}
-        for i, replica in down:
-            alive = replica.client.alive()
-            with self._lock:
-                if alive:
+            down = [r for i, r in enumerate(self.replicas)
+                    if i not in tried and not r.health.up and (everyone or r.health.claim())]
+        servers = {r.client.url: r.client for r in down}     # one probe a server, for its ranks
+        answers = {url: client.alive() for url, client in servers.items()}
+        with self._lock:
+            for replica in down:
+                if answers[replica.client.url]:
                     replica.health.succeed()
-                    loads[i] = replica.load
                 else:
                     replica.health.fail(replica.health.reason or "no answer to /health")
-        return loads
 
     def rejoin_due(self) -> None:
         """Probe every down replica whose probe is due; those that answer rejoin."""
@@ -192,11 +204,16 @@ class Pool:
     def failed(self, replica: Replica, error: ServerDown) -> None:
         """``replica`` failed a request with ``error``.  A replica that answered 5xx but
         whose ``/health`` answers failed this request only: the error is raised as it is.
-        Otherwise it is down, and the caller goes on to the next of `attempts`."""
+        Otherwise its server is down, with every replica behind its URL (each data-parallel
+        rank), and the caller goes on to the next of `attempts`.  Only a failure that finds
+        a replica up counts: the requests in flight on a server that fails all fail, and
+        one outage is one failure to `Health`, not one a request."""
         if error.answered and replica.client.alive():
             raise error
         with self._lock:
-            replica.health.fail(str(error))
+            for other in self.replicas:
+                if other.client.url == replica.client.url and other.health.up:
+                    other.health.fail(str(error))
 
     def served(self, replica: Replica, tokens: Sequence[int]) -> None:
         """``replica`` answered a request; ``tokens`` (prompt and generated) live there."""

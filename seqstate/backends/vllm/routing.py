@@ -16,7 +16,7 @@ computed each block (`Lineage`, least recently used first out).  A request goes 
    ``spill`` requests in flight beyond that one's.
 
 Nothing here sends anything: `Router` is pure state, so the rules are tested without servers
-(``tests/test_vllm_pool.py``).
+(``tests/test_vllm_routing.py``).
 
 Examples
 --------
