@@ -5,17 +5,23 @@ full synchronisation) in its own transaction as soon as its program returns, so 
 at any moment keeps every result it finished.  Run again with the same checkpoint, finished
 inputs get their stored results without their program being called.
 
-A checkpoint belongs to one run: its program (qualified name and bytecode), the models the
-program uses (name, engine, tokenizer) and its input list.  Any other is refused with
-`seqstate.CheckpointError` before anything runs.  A result is stored as JSON data (states as
-``state.dumps()`` does, pydantic models and enums by class name), with a digest: a row whose
-digest does not match (a torn write) is run again, never read.  A failed input is not stored:
+A checkpoint belongs to one run: its program (qualified name, bytecode, and the data a partial
+binds or its defaults hold), the models the program uses (name, engine, tokenizer) and its
+input list.  Any other is refused with `seqstate.CheckpointError` before anything runs.
+Inputs are identified by their data: JSON values, states (by their saved form), pydantic
+models, enums, dataclasses, bytes, and tuples, lists and dicts of those; an input of another
+type is refused before anything runs (pass an id or a path the program looks up instead).
+
+A result is stored as JSON data (states as ``state.dumps()`` does, pydantic models and enums
+by class name, rebuilt into their classes when resumed), with a digest: a row whose digest
+does not match (a torn write) is run again, never read.  A failed input is not stored:
 a rerun tries it again.  A result that cannot be stored stops the run at the first one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -58,28 +64,34 @@ class Checkpoint:
     def __init__(self, path: Any, program: Callable, inputs: Sequence[Any]) -> None:
         self.path = path
         self.models = models_of(program)
-        self.inputs = [_digest(_input_json(x)) for x in inputs]
+        self.inputs = [_digest(_input_text(i, x)) for i, x in enumerate(inputs)]
+        identity = {"version": str(VERSION), "program": program_id(program),
+                    "models": json.dumps(sorted(self.models)),
+                    "inputs": _digest(self.inputs), "count": str(len(self.inputs))}
         self._lock = threading.Lock()
         try:
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(_SCHEMA)
         except sqlite3.Error as exc:
-            raise CheckpointError(f"cannot open checkpoint {str(path)!r} as an SQLite database "
-                                  f"({exc}); give the path of a checkpoint run_batch wrote, or "
-                                  "a new file") from None
-        self._claim({"version": str(VERSION), "program": program_id(program),
-                     "models": json.dumps(sorted(self.models)),
-                     "inputs": _digest(self.inputs), "count": str(len(self.inputs))})
+            raise CheckpointError(f"cannot open checkpoint {str(path)!r} ({exc}); give the "
+                                  "path of a checkpoint run_batch wrote, or a new file") from None
+        try:
+            with self._sqlite_errors("open"):
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=FULL")
+                self._db.executescript(_SCHEMA)
+                self._claim(identity)
+        except BaseException:
+            self._db.close()
+            raise
 
     def _claim(self, identity: dict[str, str]) -> None:
         """Write the run's identity into a new checkpoint; refuse one of another run."""
-        with self._lock:
+        # read and write in one write transaction: two processes starting on one new file
+        # cannot both find it empty
+        with self._lock, self._transaction():
             stored = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
             if not stored:
-                with self._transaction():
-                    self._db.executemany("INSERT INTO meta VALUES (?, ?)", identity.items())
+                self._db.executemany("INSERT INTO meta VALUES (?, ?)", identity.items())
                 return
         what = {"version": "format version", "program": "program", "models": "models",
                 "inputs": "input list", "count": "number of inputs"}
@@ -97,36 +109,55 @@ class Checkpoint:
         try:
             yield
         except BaseException:
-            self._db.execute("ROLLBACK")
+            if self._db.in_transaction:     # SQLite rolls back some failures itself
+                self._db.execute("ROLLBACK")
             raise
         self._db.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def _sqlite_errors(self, doing: str) -> Iterator[None]:
+        """SQLite's errors (a locked or full disk, a damaged file) as `CheckpointError`."""
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise CheckpointError(f"cannot {doing} checkpoint {str(self.path)!r}: {exc}; give "
+                                  "the path of a checkpoint run_batch wrote, or a new file, on "
+                                  "a disk with room, that no other run is writing") from None
 
     # -- results -----------------------------------------------------------------------------
     def finished(self) -> dict[int, Any]:
         """The stored results by input index; rows that fail their digest are left out (their
         inputs run again)."""
-        with self._lock:
+        with self._lock, self._sqlite_errors("read"):
             rows = self._db.execute("SELECT idx, input, data, digest FROM results").fetchall()
+        classes = _Imported()
+        state = functools.partial(self._decode_state, classes=classes)
         out = {}
         for idx, key, data, digest in rows:
             if (0 <= idx < len(self.inputs) and key == self.inputs[idx]
                     and hashlib.sha256(data).hexdigest() == digest):
                 try:
-                    out[idx] = from_json(json.loads(data), _Imported(), self._decode_state)
+                    out[idx] = from_json(json.loads(data), classes, state)
                 except (ValueError, StateFormatError):
                     continue                    # unreadable: run it again
+        if classes.missing:
+            raise CheckpointError(
+                f"the stored results hold values of {', '.join(sorted(classes.missing))}, "
+                "classes no imported module has; import their modules before run_batch, so "
+                "that resumed results are rebuilt as the first run returned them")
         return out
 
     def put(self, idx: int, result: Any) -> None:
         """Store input ``idx``'s result durably (one transaction); `CheckpointError` where it
         cannot be stored."""
         try:
+            _importable(result)
             data = json.dumps(to_json(result, self._encode_state), separators=(",", ":"),
                               allow_nan=False).encode()
         except StateFormatError as exc:
             raise CheckpointError(f"the result of input {idx} cannot be stored in the "
                                   f"checkpoint: {exc}") from None
-        with self._lock, self._transaction():
+        with self._lock, self._sqlite_errors("write to"), self._transaction():
             self._db.execute("INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?)",
                              (idx, self.inputs[idx], data, hashlib.sha256(data).hexdigest()))
 
@@ -151,27 +182,34 @@ class Checkpoint:
                 _importable(span.value)
         return {"$state": json.loads(value.dumps())}
 
-    def _decode_state(self, data: dict) -> Any:
+    def _decode_state(self, data: dict, classes: _Imported) -> Any:
         if "$state" not in data:
             raise StateFormatError(f"unknown tagged value {sorted(data)[:3]} in a checkpoint")
         doc = read(json.dumps(data["$state"]).encode())
         for model in self.models.values():
             if tokenizer_id(model.vocab) == doc["tokenizer"] and model.name == doc["model"]:
-                rows, batch, samples = decode_rows(doc, Conversation, ())
+                rows, batch, samples = decode_rows(doc, Conversation, classes)
                 return SequenceState(model, tuple(rows), batch, samples)
         raise StateFormatError("a stored state's model is not the program's")
 
 
 class _Imported:
     """Classes by `class_name`, found among modules already imported (never importing one):
-    a stored pydantic result is re-validated into its class."""
+    a stored pydantic result is re-validated into its class.  ``missing`` collects the names
+    not found."""
+
+    def __init__(self) -> None:
+        self.missing: set[str] = set()
 
     def get(self, name: str) -> type | None:
         module, _, qualname = name.partition(":")
         found: Any = sys.modules.get(module)
         for part in qualname.split("."):
             found = getattr(found, part, None)
-        return found if isinstance(found, type) else None
+        if isinstance(found, type):
+            return found
+        self.missing.add(name)
+        return None
 
 
 def _importable(value: Any) -> None:
@@ -186,24 +224,42 @@ def _importable(value: Any) -> None:
         for v in value:
             _importable(v)
     elif isinstance(value, dict):
-        for v in value.values():
-            _importable(v)
+        for item in value.items():
+            _importable(item)
 
 
 # -- identities ---------------------------------------------------------------------------------
 def program_id(program: Callable) -> str:
-    """The program's qualified name and a digest of its bytecode (and its constants')."""
-    func = program
+    """The program's qualified name and a digest of its bytecode (and its constants'), of
+    the arguments partials bind and of its defaults."""
+    func, bound = program, []
     while isinstance(func, functools.partial):
+        bound.append([func.args, func.keywords])
         func = func.func
+    defaults = [getattr(func, "__defaults__", None), getattr(func, "__kwdefaults__", None)]
+    if any(defaults):
+        bound.append(defaults)
     name = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}"
     code = getattr(func, "__code__", None)
-    return name if code is None else f"{name}:{_digest(_code_text(code))}"
+    text = ("" if code is None else _code_text(code)) + (_bound_text(bound) if bound else "")
+    return f"{name}:{_digest(text)}" if text else name
 
 
 def _code_text(code: CodeType) -> str:
-    consts = [_code_text(c) if isinstance(c, CodeType) else repr(c) for c in code.co_consts]
+    consts = [_const_text(c) for c in code.co_consts]
     return code.co_code.hex() + "|" + "|".join(consts) + "|" + ",".join(code.co_names)
+
+
+def _const_text(const: Any) -> str:
+    """A constant's text, the same in every process: a set literal's frozenset is written
+    sorted (its own order follows the process's string hashing)."""
+    if isinstance(const, CodeType):
+        return _code_text(const)
+    if isinstance(const, frozenset):
+        return "frozenset(" + ",".join(sorted(_const_text(c) for c in const)) + ")"
+    if isinstance(const, tuple):
+        return "(" + ",".join(_const_text(c) for c in const) + ")"
+    return repr(const)
 
 
 def models_of(program: Callable) -> dict[str, Any]:
@@ -251,11 +307,48 @@ def _model_key(model: Any) -> str:
     return f"{model.name}|{model.engine}|{tokenizer_id(model.vocab)}"
 
 
-def _input_json(value: Any) -> str:
+def _input_text(idx: int, value: Any) -> str:
+    """Input ``idx``'s data as JSON text, the same in every process; `CheckpointError` for a
+    value with no such text."""
     try:
-        return json.dumps(to_json(value), sort_keys=True)
+        return _stable_text(value)
     except (StateFormatError, TypeError, ValueError):
-        return repr(value)
+        raise CheckpointError(
+            f"input {idx} is a {type(value).__module__}.{type(value).__qualname__}, which a "
+            "checkpoint cannot identify across runs; inputs must be JSON values, states, "
+            "pydantic models, enums, dataclasses, bytes, or tuples, lists and dicts of those: "
+            "pass such data (an id, a path) and let the program look the object up") from None
+
+
+def _bound_text(bound: Any) -> str:
+    """The data partials bind and defaults hold; a model, or an object of one (a
+    generator), by its model and type, and other objects by their type (as a global's
+    value is not part of the program's identity)."""
+    def other(value: Any) -> Any:
+        try:
+            return _stable(value)
+        except StateFormatError:
+            model = value if _is_model(value) else getattr(value, "model", None)
+            return {"$object": class_name(type(value)),
+                    "model": _model_key(model) if _is_model(model) else None}
+    return json.dumps(to_json(bound, other), sort_keys=True)
+
+
+def _stable_text(value: Any) -> str:
+    return json.dumps(to_json(value, _stable), sort_keys=True)
+
+
+def _stable(value: Any) -> Any:
+    """`to_json`'s encoder of states (by their saved form), dataclasses and bytes."""
+    if isinstance(value, SequenceState):
+        return {"$state": _digest(value.dumps().decode())}
+    if isinstance(value, bytes):
+        return {"$bytes": hashlib.sha256(value).hexdigest()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {"$dataclass": class_name(type(value)),
+                "fields": {f.name: to_json(getattr(value, f.name), _stable)
+                           for f in dataclasses.fields(value)}}
+    raise StateFormatError(f"no stable encoding for a {type(value).__name__}")
 
 
 def _digest(value: Any) -> str:

@@ -20,7 +20,7 @@ import enum
 import hashlib
 import json
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -177,11 +177,11 @@ def read(data: bytes) -> dict:
     return doc
 
 
-def decode_rows(doc: dict, chat: type[Chat], types: Iterable[type] = ()
+def decode_rows(doc: dict, chat: type[Chat], types: dict[str, type]
                 ) -> tuple[list[Row], int, int]:
     """The rows of a `read` document (no KV, no cursors) and its ``(batch, samples)``;
-    conversation records are built as ``chat``."""
-    by_name = {class_name(t): t for t in types}
+    conversation records are built as ``chat``, values' classes found in ``types`` (by
+    `class_name`; any object with ``get``), as `from_json` finds them."""
     rows = []
     try:
         for r in doc["rows"]:
@@ -192,7 +192,7 @@ def decode_rows(doc: dict, chat: type[Chat], types: Iterable[type] = ()
                 raise ValueError("tokens and log-probs differ in length")
             spans = tuple(Span(s["start"], s["end"], SavedCall(s["call"], s["constrained"]),
                                None if s["finish"] is None else FinishReason(s["finish"]),
-                               from_json(s["value"], by_name), s["scores"], s["name"],
+                               from_json(s["value"], types), s["scores"], s["name"],
                                s["text"])
                           for s in r["spans"])
             record = r["chat"]

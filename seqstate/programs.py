@@ -67,9 +67,11 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
         their stored results without their program being called, the others run, and the
         results keep input order.  Results must be JSON values, states, pydantic models,
         enums, or tuples, lists and dicts of those (the first that is not stops the run with
-        `seqstate.CheckpointError`); a failed input is not stored (a rerun tries it again).
-        A checkpoint of another program, model or input list is refused with
-        `seqstate.CheckpointError`.
+        `seqstate.CheckpointError`); a failed input is not stored (a rerun tries it again),
+        nor is anything once the run is interrupted.  Inputs must be data (JSON values,
+        states, pydantic models, enums, dataclasses, bytes, or tuples, lists and dicts of
+        those).  A checkpoint of another program, model or input list, or an input of another
+        type, is refused with `seqstate.CheckpointError` before anything runs.
 
     Ctrl-C ends every running program within about a second: each one's generator call
     raises `seqstate.Interrupted`, its rows leave the batch, and ``KeyboardInterrupt``
@@ -107,7 +109,9 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
                     results[i] = exc
                     errors[i] = exc
             else:
-                if store is not None:
+                # once the run is interrupted, a result may be a program's stand-in for the
+                # call that raised Interrupted: a rerun runs the input again
+                if store is not None and not interrupt.is_set():
                     store.put(i, results[i])         # CheckpointError: the run stops
             if bar is not None:
                 bar.update(1)
@@ -219,7 +223,9 @@ async def arun_batch(program: Callable[[Any], Any], inputs: Iterable[Any], *,
                     results[i] = exc
                     errors[i] = exc
                 else:
-                    if store is not None:
+                    # as in run_batch: nothing is kept once the run is interrupted (the store
+                    # is closed then too, where a program swallowed its cancellation)
+                    if store is not None and not interrupt.is_set():
                         store.put(i, results[i])     # CheckpointError: the run stops
             if bar is not None:
                 bar.update(1)

@@ -10,7 +10,7 @@ from typing import Any
 
 from seqstate.conversation import Conversation
 from seqstate.errors import ArgumentError, ModelMismatch
-from seqstate.persist import SavedState, decode_rows, read, tokenizer_id
+from seqstate.persist import SavedState, class_name, decode_rows, read, tokenizer_id
 from seqstate.rows import Row
 from seqstate.state import SequenceState
 
@@ -63,7 +63,7 @@ def loads(model: Any, data: bytes | SavedState, *, types: Iterable[type] = ()) -
         raise ModelMismatch(f"this state was saved under another tokenizer (model "
                             f"{doc.get('model')!r}) than {model.name!r} has; load it on a model "
                             "with the same tokenizer")
-    rows, batch, samples = decode_rows(doc, Conversation, types)
+    rows, batch, samples = decode_rows(doc, Conversation, {class_name(t): t for t in types})
     return SequenceState(model, tuple(rows), batch, samples)
 
 

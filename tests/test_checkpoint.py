@@ -1,7 +1,9 @@
 """Durable runs (seqstate/checkpoint.py): ``run_batch(..., checkpoint=path)`` keeps each
 finished input's result, a rerun resumes, a crash loses only unfinished inputs."""
 
+import dataclasses
 import enum
+import functools
 import json
 import os
 import pathlib
@@ -9,6 +11,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -16,6 +19,7 @@ import pydantic
 import pytest
 
 import seqstate as ss
+from seqstate.checkpoint import _SCHEMA, Checkpoint
 
 CHILD = pathlib.Path(__file__).parent / "children" / "checkpointed.py"
 
@@ -198,3 +202,246 @@ def test_arun_batch_resumes_from_a_checkpoint(tmp_path, tiny):
     again = asyncio.run(ss.arun_batch(program, ["cats", "dogs"], checkpoint=path,
                                       progress=False))
     assert again == first and len(calls) == 2
+
+
+# -- identities are stable across processes, and tell runs apart ---------------------------------
+_ID_CHILD = """
+import sys
+from seqstate.checkpoint import program_id
+
+def program(x):
+    return x in {"yes", "no", "maybe", "perhaps", "never", "always"}
+
+def edited(x):
+    return x in {"yes", "no", "maybe", "perhaps", "never", "often"}
+
+edited.__name__ = edited.__qualname__ = "program"
+print(program_id(program), program_id(edited), repr(program.__code__.co_consts[-1]))
+"""
+
+
+def test_a_set_literal_gives_the_same_program_id_in_every_process():
+    # string hashing, so a frozenset constant's own order, differs between these processes
+    seen = []
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONPATH=str(CHILD.parents[2]), PYTHONHASHSEED=seed)
+        out = subprocess.run([sys.executable, "-c", _ID_CHILD], env=env, capture_output=True,
+                             text=True, timeout=300, check=True)
+        seen.append(out.stdout.split(" ", 2))
+    (id1, edited1, order1), (id2, edited2, order2) = seen
+    assert order1 != order2, "the seeds gave one set order; the test needs two"
+    assert id1 == id2 and edited1 == edited2
+    assert id1 != edited1                     # a changed literal is another program
+
+
+def _tokens_program(state):
+    return state.token_ids
+
+
+def test_states_are_inputs_by_their_whole_saved_form(tmp_path, tiny):
+    ids = list(range(100, 170))
+    a = ss.from_tokens(tiny, [ids])
+    b = ss.from_tokens(tiny, [ids[:35] + [171] + ids[36:]])     # differs mid-text
+    assert repr(a) == repr(b), "the test needs states whose reprs are equal"
+    path = tmp_path / "run.sqlite"
+    assert ss.run_batch(_tokens_program, [a], checkpoint=path, progress=False) == [a.token_ids]
+    assert ss.run_batch(_tokens_program, [a], checkpoint=path, progress=False) == [a.token_ids]
+    with pytest.raises(ss.CheckpointError, match="input list"):
+        ss.run_batch(_tokens_program, [b], checkpoint=path, progress=False)
+
+
+@dataclasses.dataclass
+class Item:
+    name: str
+    size: int
+
+
+def test_inputs_without_a_stable_identity_are_refused_before_anything_runs(tmp_path):
+    calls = []
+
+    def program(x):
+        calls.append(x)
+        return 1
+
+    path = tmp_path / "run.sqlite"
+    with pytest.raises(ss.CheckpointError, match=r"input 1 is a builtins\.object.*an id"):
+        ss.run_batch(program, [1, object()], checkpoint=path, progress=False)
+    with pytest.raises(ss.CheckpointError, match=r"input 0 is a builtins\.set"):
+        ss.run_batch(program, [{"a", "b"}], checkpoint=path, progress=False)
+    assert calls == []
+    # dataclasses, bytes, tuples are data: a rerun resumes
+    inputs = [Item("kettle", 2), b"\x00\x01", ("a", 1)]
+    assert ss.run_batch(program, inputs, checkpoint=path, progress=False) == [1, 1, 1]
+    assert ss.run_batch(program, inputs, checkpoint=path, progress=False) == [1, 1, 1]
+    assert len(calls) == 3
+    with pytest.raises(ss.CheckpointError, match="input list"):
+        ss.run_batch(program, [Item("kettle", 3)] + inputs[1:], checkpoint=path,
+                     progress=False)
+
+
+def _generated(x, gen, max_tokens):
+    return gen(f"Topic {x}:", max_tokens=max_tokens).generated
+
+
+def test_a_partials_arguments_are_part_of_the_program(tmp_path, tiny):
+    path = tmp_path / "run.sqlite"
+    short = functools.partial(_generated, gen=ss.text(tiny), max_tokens=2)
+    first = ss.run_batch(short, range(2), checkpoint=path, progress=False)
+    again = functools.partial(_generated, gen=ss.text(tiny), max_tokens=2)   # equal partial
+    assert ss.run_batch(again, range(2), checkpoint=path, progress=False) == first
+    longer = functools.partial(_generated, gen=ss.text(tiny), max_tokens=6)
+    with pytest.raises(ss.CheckpointError, match="program"):
+        ss.run_batch(longer, range(2), checkpoint=path, progress=False)
+
+
+# -- results come back as the first run returned them ------------------------------------------
+def test_resumed_states_rebuild_their_values_classes(tmp_path, tiny):
+    colour = ss.choice(tiny, Colour)
+
+    def program(x):
+        return colour(f"Colour {x}: ")
+
+    path = tmp_path / "run.sqlite"
+    first = ss.run_batch(program, range(3), checkpoint=path, progress=False)
+    again = ss.run_batch(program, range(3), checkpoint=path, progress=False)
+    assert all(isinstance(s.value, Colour) for s in first)
+    assert [s.value for s in again] == [s.value for s in first]
+
+
+def test_a_result_of_a_class_a_rerun_cannot_find_is_refused(tmp_path):
+    class Local(pydantic.BaseModel):
+        n: int
+
+    with pytest.raises(ss.CheckpointError, match="input 0 cannot be stored.*Local"):
+        ss.run_batch(lambda x: Local(n=x), [0], checkpoint=tmp_path / "run.sqlite",
+                     progress=False)
+
+
+def test_a_resumed_class_that_is_not_imported_is_named(tmp_path, monkeypatch):
+    def program(x):
+        return [Pet(name="cat", legs=x)]
+
+    path = tmp_path / "run.sqlite"
+    ss.run_batch(program, [4], checkpoint=path, progress=False)
+    monkeypatch.delattr(sys.modules[__name__], "Pet")
+    with pytest.raises(ss.CheckpointError, match=r"test_checkpoint:Pet.*import their modules"):
+        ss.run_batch(program, [4], checkpoint=path, progress=False)
+
+
+# -- an interrupted run keeps no stand-in results --------------------------------------------------
+def test_a_program_that_catches_interrupted_is_not_stored(tmp_path, tiny):
+    text = ss.text(tiny)
+    caught = []
+
+    def program(x):
+        if x == 0:
+            time.sleep(0.5)             # the others are decoding
+            return object()             # cannot be stored: the run stops, the others end
+        try:
+            return text(f"Story {x}:", max_tokens=1500).generated
+        except ss.SeqStateError:        # Interrupted too
+            caught.append(x)
+            return None
+
+    path = tmp_path / "run.sqlite"
+    with pytest.raises(ss.CheckpointError, match="input 0"):
+        ss.run_batch(program, range(4), concurrency=4, checkpoint=path, progress=False)
+    assert sorted(caught) == [1, 2, 3]
+    assert _count(path) == 0
+
+
+def test_an_async_program_that_swallows_its_cancellation_is_not_stored(tmp_path, tiny,
+                                                                     monkeypatch):
+    import asyncio
+
+    text = ss.text(tiny)
+    caught, puts = [], []
+    put = Checkpoint.put
+
+    def recorded(self, idx, result):
+        puts.append(idx)
+        put(self, idx, result)
+
+    monkeypatch.setattr(Checkpoint, "put", recorded)
+
+    async def program(x):
+        if x == 0:
+            await asyncio.sleep(0.5)
+            return object()
+        try:
+            return (await text.acall(f"Story {x}:", max_tokens=1500)).generated
+        except (asyncio.CancelledError, ss.SeqStateError):
+            caught.append(x)
+            return None
+
+    async def main():
+        with pytest.raises(ss.CheckpointError, match="input 0"):
+            await ss.arun_batch(program, range(4), checkpoint=tmp_path / "run.sqlite",
+                                progress=False)
+        await asyncio.sleep(0.5)            # the cancelled programs return their None
+
+    asyncio.run(main())
+    assert sorted(caught) == [1, 2, 3]
+    assert puts == [0]                      # nothing was put in the (by then closed) store
+
+
+# -- the database ---------------------------------------------------------------------------------
+@pytest.fixture
+def connections(monkeypatch):
+    """The checkpoint connections opened during the test (a short busy timeout)."""
+    opened = []
+    connect = sqlite3.connect
+
+    def tracked(*args, **kwargs):
+        opened.append(connect(*args, **{**kwargs, "timeout": 0.2}))
+        return opened[-1]
+
+    monkeypatch.setattr(sqlite3, "connect", tracked)
+    return opened
+
+
+def _closed(db) -> bool:
+    try:
+        db.execute("SELECT 1")
+    except sqlite3.ProgrammingError:
+        return True
+    return False
+
+
+def test_a_refused_or_failed_checkpoint_is_closed(tmp_path, connections):
+    path = tmp_path / "run.sqlite"
+    ss.run_batch(_double, range(3), checkpoint=path, progress=False)
+    with pytest.raises(ss.CheckpointError, match="program"):
+        ss.run_batch(_triple, range(3), checkpoint=path, progress=False)
+    # a new checkpoint that another process is writing as this run claims it
+    fresh = tmp_path / "fresh.sqlite"
+    holder = sqlite3.connect(fresh, isolation_level=None)       # tracked too
+    holder.executescript(_SCHEMA)
+    holder.execute("BEGIN EXCLUSIVE")
+    with pytest.raises(ss.CheckpointError, match="locked"):
+        ss.run_batch(_double, range(3), checkpoint=fresh, progress=False)
+    holder.execute("ROLLBACK")
+    holder.close()
+    assert len(connections) == 4 and all(_closed(db) for db in connections)
+
+
+def test_runs_starting_together_on_a_new_checkpoint_claim_it_once(tmp_path):
+    path = tmp_path / "run.sqlite"
+    start = threading.Barrier(6)
+    errors = []
+
+    def open_one():
+        start.wait()
+        try:
+            Checkpoint(path, _double, range(3)).close()
+        except Exception as exc:                # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_one) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT count(*) FROM meta").fetchone()[0] == 5
