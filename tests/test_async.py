@@ -177,6 +177,36 @@ def test_a_timeout_raises_and_ends_the_rows(engine):
     settled(engine, before)
 
 
+def test_a_beam_search_keeps_its_timeout_and_leaves_the_event_loop_free(engine):
+    gen = ss.regex(engine, LONG)
+    before = engine.stats
+    start = time.monotonic()
+    with pytest.raises(ss.CallTimeout):
+        gen("Digits:", max_tokens=500, sampler=ss.beam_search(2), timeout=0.5)
+    assert time.monotonic() - start < 5
+    settled(engine, before)
+    ticks = []
+
+    async def ticking():
+        while True:
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.05)
+
+    async def main():
+        clock = asyncio.ensure_future(ticking())
+        try:
+            return await ss.text(engine).acall("Once upon a time", max_tokens=12,
+                                               sampler=ss.beam_search(2))
+        finally:
+            clock.cancel()
+
+    got = run(main())
+    assert got.token_ids == ss.text(engine)("Once upon a time", max_tokens=12,
+                                            sampler=ss.beam_search(2)).token_ids
+    # the loop ran other work while the beams were searched: no gap of a whole call
+    assert len(ticks) > 1 and max(b - a for a, b in zip(ticks, ticks[1:])) < 1.0, ticks
+
+
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), True, "5"])
 def test_a_bad_timeout_is_refused_before_compute(tiny, bad):
     with pytest.raises(ss.ArgumentError, match="timeout must be"):

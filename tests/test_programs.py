@@ -84,27 +84,59 @@ def test_a_timed_out_arun_batch_ends_its_thread_programs(tiny):
     assert ss.text(tiny)("Check:", max_tokens=6).token_ids == alone
 
 
-def test_interruptible_calls_raise_interrupted(tiny):
+def _interrupted_after(seconds: float, *calls) -> tuple[list[BaseException], float]:
+    """Run ``calls`` one after another in a thread inside `interruptible`, set its event after
+    ``seconds``; the `Interrupted` each raised, and the seconds from the event to the end."""
     event = threading.Event()
     caught: list[BaseException] = []
 
     def work():
         with interruptible(event):
-            try:
-                ss.text(tiny)("Once", max_tokens=1500)
-            except ss.Interrupted as exc:
-                caught.append(exc)
-            try:                        # a later call of the same program ends at once
-                ss.text(tiny)("Again", max_tokens=1500)
-            except ss.Interrupted as exc:
-                caught.append(exc)
+            for call in calls:
+                try:
+                    call()
+                except ss.Interrupted as exc:
+                    caught.append(exc)
 
     thread = threading.Thread(target=work)
     thread.start()
-    time.sleep(0.5)
+    time.sleep(seconds)
     event.set()
     set_at = time.monotonic()
     thread.join(timeout=30)
-    assert len(caught) == 2 and time.monotonic() - set_at < 1 + 2 * INTERRUPT_POLL_SECONDS
+    return caught, time.monotonic() - set_at
+
+
+def test_interruptible_calls_raise_interrupted(tiny):
+    # a later call of the same program ends at once
+    caught, took = _interrupted_after(0.5, lambda: ss.text(tiny)("Once", max_tokens=1500),
+                                      lambda: ss.text(tiny)("Again", max_tokens=1500))
+    assert len(caught) == 2 and took < 1 + 2 * INTERRUPT_POLL_SECONDS
     # outside a run, nothing changes: a call is not interruptible
     assert ss.text(tiny)("Once", max_tokens=3).shape == (1, 1)
+
+
+def test_scoring_calls_of_an_interrupted_run_raise_interrupted(engine):
+    state = ss.text(engine)("Once", max_tokens=3)
+    want = state.score([" upon"]).logprobs
+    event = threading.Event()
+    event.set()
+    before = engine.stats
+    with interruptible(event):
+        with pytest.raises(ss.Interrupted):
+            state.score([" upon"])
+        with pytest.raises(ss.Interrupted):
+            state.next_logprobs()
+        with pytest.raises(ss.Interrupted):
+            ss.choice(engine, ["yes", "no"], method="score")(state)
+    assert (engine.stats - before).prefill_tokens == 0
+    assert state.score([" upon"]).logprobs == want      # outside the run: as before
+
+
+def test_a_beam_search_ends_when_its_run_is_interrupted(tiny):
+    state = ss.text(tiny)("Once", max_tokens=3)
+    want = state.score([" upon"]).logprobs
+    caught, took = _interrupted_after(
+        0.5, lambda: ss.text(tiny)("Once", max_tokens=1500, sampler=ss.beam_search(3)))
+    assert len(caught) == 1 and took < 1 + 2 * INTERRUPT_POLL_SECONDS
+    assert state.score([" upon"]).logprobs == want          # the model is as it was

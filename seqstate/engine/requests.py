@@ -39,7 +39,7 @@ from seqstate.engine.beam import Beams
 from seqstate.engine.rows import Decoding, LiveRow, RowRequest, RowResult
 from seqstate.engine.runner import unobserved
 from seqstate.engine.masks import allowed_mask
-from seqstate.engine.waiting import BLOCKING, PAUSE, POLL_SECONDS, Caller
+from seqstate.engine.waiting import BLOCKING, PAUSE, POLL_SECONDS, Caller, check_interrupted
 from seqstate.errors import CapabilityError, EngineError
 from seqstate.finish import FinishReason
 from seqstate.hooks import (TOP_TOKENS, Hook, Replace, Rollback,
@@ -168,6 +168,7 @@ class RequestRunner:
             threading.Thread(target=pump, args=(request,), daemon=True,
                              name="seqstate-request").start()
 
+        caller.left(POLL_SECONDS)            # an interrupted run's call is refused unsent
         for request in work:
             send(request)
         running, failure = len(work), None
@@ -216,8 +217,8 @@ class RequestRunner:
 
     def generate(self, requests: Sequence[RowRequest], decoding: Decoding = Decoding()
                  ) -> list[RowResult]:
-        """`run` to its end: the results."""
-        steps = self.run(requests, decoding)
+        """`run` to its end: the results (the run it belongs to may interrupt it)."""
+        steps = self.run(requests, decoding, caller=Caller())
         while True:
             try:
                 next(steps)
@@ -255,12 +256,16 @@ class RequestRunner:
     def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
               store: bool = False) -> list[Scored]:
         """Teacher-forced log-probs of each pair's continuation: concurrent requests
-        (`seqstate.backends.base.Backend.score`)."""
+        (`seqstate.backends.base.Backend.score`).  Refused with `Interrupted` once the run it
+        belongs to was interrupted; requests already sent are answered first."""
+        check_interrupted()
         return self.model.backend.score(pairs, store=store)
 
     def next_logprobs(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
         """Float32 log-softmax ``(len(rows), V)`` of the next token after each row: a whole
-        distribution per request (`seqstate.backends.base.RequestBackend.next_logprobs`)."""
+        distribution per request (`seqstate.backends.base.RequestBackend.next_logprobs`);
+        `Interrupted` as for `score`."""
+        check_interrupted()
         return self.model.backend.next_logprobs(rows)
 
     def stored(self, rows: Sequence[Sequence[int]]) -> list[Handle]:

@@ -75,6 +75,7 @@ class Scheduler:
         the next step."""
         if threading.current_thread() is self._worker:      # a hook calling a generator
             return (yield from self._alone(job))
+        caller.left(POLL_SECONDS)            # an interrupted run's call is refused unqueued
         job.wake = caller.wake
         with self._cv:
             job.order = next(self._arrivals)
@@ -102,8 +103,10 @@ class Scheduler:
                 job.cancelled = True          # the worker drops it at its next step
 
     def run_job(self, job: Job) -> Any:
-        """`execute` ``job`` to its end, dropping what it delivers; returns its result."""
-        steps = self.execute(job)
+        """`execute` ``job`` to its end, dropping what it delivers; returns its result.  Its
+        caller has no deadline and blocks, and the run it belongs to may interrupt it
+        (`seqstate.engine.waiting.interruptible`)."""
+        steps = self.execute(job, Caller())
         while True:
             try:
                 next(steps)
@@ -142,7 +145,7 @@ class Scheduler:
         as a `BeamJob`.  Returns, per group, up to ``width`` ``(result, score, origin)``
         triples sorted best-first; ``origin`` is the index of the incoming beam (within its
         group) the result descends from.  ``on_step`` runs on the worker after every step."""
-        return self.execute(BeamJob(self.model, groups, params, on_step))
+        return self.execute(BeamJob(self.model, groups, params, on_step), caller)
 
     def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
               store: bool = False) -> list[Scored]:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from seqstate.errors import CallTimeout, Interrupted
 
 __all__ = ["Caller", "BLOCKING", "PAUSE", "Pause", "POLL_SECONDS", "INTERRUPT_POLL_SECONDS",
-           "interruptible"]
+           "interruptible", "check_interrupted"]
 
 POLL_SECONDS = 0.5      # how often a waiting caller makes sure its engine is still alive
 INTERRUPT_POLL_SECONDS = 0.1    # how often a caller inside `interruptible` looks at its event
@@ -41,6 +41,16 @@ def interruptible(event: threading.Event) -> Iterator[None]:
         yield
     finally:
         _INTERRUPT.reset(token)
+
+
+def check_interrupted(event: threading.Event | None = None) -> None:
+    """Raise `Interrupted` where ``event`` is set (None: the interrupt of the run this thread's
+    calls belong to, if any)."""
+    event = _INTERRUPT.get() if event is None else event
+    if event is not None and event.is_set():
+        raise Interrupted("the program run this call belongs to was interrupted (Ctrl-C, or "
+                          "its arun_batch was cancelled or timed out); its rows leave the "
+                          "batch at the next step")
 
 
 class Pause:
@@ -75,10 +85,7 @@ class Caller:
         nearer; raises `CallTimeout` once the deadline has passed, `Interrupted` once the run
         the call belongs to was interrupted."""
         if self.interrupt is not None:
-            if self.interrupt.is_set():
-                raise Interrupted("the program run this call belongs to was interrupted "
-                                  "(Ctrl-C, or its arun_batch was cancelled or timed out); "
-                                  "its rows leave the batch at the next step")
+            check_interrupted(self.interrupt)
             poll = min(poll, INTERRUPT_POLL_SECONDS)
         if self.deadline is None:
             return poll
