@@ -15,10 +15,9 @@ import torch
 from seqstate.engine.buffers import StepBuffers, shared
 from seqstate.engine.masks import allowed_masks, constrained
 from seqstate.engine.rows import Decoding, LiveRow, RowRequest, RowResult
-from seqstate.errors import LogitsError
 from seqstate.finish import FinishReason
 from seqstate.hooks import Replace, Rollback, SampleEvent, checked
-from seqstate.sampling.functions import finite_rows, greedy_list, picked_values
+from seqstate.sampling.functions import check_rows, finite_rows, greedy_list, picked_values
 from seqstate.sampling.params import Greedy
 
 __all__ = ["Stepper", "StepEvent"]
@@ -98,7 +97,7 @@ class Stepper:
         """Advance every live row by one token given its logits (B_live, V), in ``live`` order
         (or only ``rows``, live rows given in that order)."""
         live = self.live if rows is None else list(rows)
-        _check_shape(logits, len(live))
+        check_rows(logits, len(live))
         logits = logits.float()                                                         # (B, V)
         best = greedy_list(logits)                                                      # (B,)
         finite = finite_rows(logits, best)
@@ -159,12 +158,10 @@ class Stepper:
             return (logits.clone() if self.hooks else logits), []
         masked = constrained(logits, allowed, finite, self.buffers.tensor("masked", logits))
         events = []
-        peaks = masked.amax(dim=-1)                                                     # (B,)
-        for j in (peaks == float("-inf")).nonzero().flatten().tolist():
-            if not allowed[j].any():
-                self.rows[rows[j]].finish(FinishReason.DEAD_END)
-                events.append(StepEvent(rows[j], None, "", finish_reason=FinishReason.DEAD_END))
-                masked[j] = logits[j]
+        for j in (~allowed.any(dim=-1)).nonzero().flatten().tolist():                # dead ends
+            self.rows[rows[j]].finish(FinishReason.DEAD_END)
+            events.append(StepEvent(rows[j], None, "", finish_reason=FinishReason.DEAD_END))
+            masked[j] = logits[j]
         return masked, events
 
     def _choose(self, masked: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
@@ -207,13 +204,3 @@ class Stepper:
             k = 0
         return token, 0
 
-
-def _check_shape(logits: torch.Tensor, rows: int) -> None:
-    """Refuse logits that are not one row per stepped row (`LogitsError`)."""
-    if isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.shape[0] == rows:
-        return
-    got = (f"shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor)
-           else type(logits).__name__)
-    raise LogitsError(f"expected logits for {rows} live rows, a tensor of shape ({rows}, vocab) "
-                      f"in `live` order, got {got}; feed one row of logits per row of "
-                      "stepper.live (or of `rows`)")

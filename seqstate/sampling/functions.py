@@ -11,9 +11,9 @@ import torch
 
 from seqstate.errors import LogitsError
 
-__all__ = ["host_values", "greedy_tokens", "greedy_list", "picked_values", "race_sample",
-           "finite_rows", "check_logprobs", "filter_top_k", "filter_top_p", "filter_min_p",
-           "repetition_penalty", "presence_frequency_penalty"]
+__all__ = ["check_rows", "host_values", "greedy_tokens", "greedy_list", "picked_values",
+           "race_sample", "finite_rows", "check_logprobs", "filter_top_k", "filter_top_p",
+           "filter_min_p", "repetition_penalty", "presence_frequency_penalty"]
 
 
 _HOST_DTYPES = (torch.float32, torch.float16, torch.float64)     # the ones NumPy has
@@ -130,6 +130,17 @@ def race_sample(logits: torch.Tensor, rng: torch.Generator | None) -> torch.Tens
     race = torch.empty(probs.shape, dtype=probs.dtype, device=where).exponential_(
         generator=rng).to(probs.device)                             # (B, V)
     return (probs / race).argmax(dim=-1)                            # (B,)
+
+
+def check_rows(logits: torch.Tensor, rows: int) -> None:
+    """Refuse ``logits`` that are not a (rows, V) tensor, a row per stepped row (`LogitsError`)."""
+    if isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.shape[0] == rows:
+        return
+    got = (f"shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor)
+           else type(logits).__name__)
+    raise LogitsError(f"expected logits for {rows} live rows, a tensor of shape ({rows}, vocab) "
+                      f"in `live` order, got {got}; feed one row of logits per row of "
+                      "stepper.live (or of `rows`)")
 
 
 def finite_rows(logits: torch.Tensor, best: list[int]) -> bool:
