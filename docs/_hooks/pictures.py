@@ -2,13 +2,15 @@
 
 A page marks a picture with ``<!-- drawn: NAME -->``; the hook runs the page's Python code
 blocks in order (as ``make test`` does) and puts ``NAME``'s HTML there (its ``_repr_html_``,
-e.g. a state's token view or ``ss.viz.tree``'s SVG; a matplotlib figure: its PNG).  The picture is what the code on the
-page draws today, so it cannot drift from it.
+e.g. a state's token view or ``ss.viz.tree``'s SVG; a matplotlib figure: its PNG).  The
+picture is what the code on the page draws today, so it cannot drift from it.  What the code
+prints is the reader's output, not the build's: it is left out of the build's log.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import re
 
@@ -20,8 +22,9 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     if not MARKER.search(markdown):
         return markdown
     names: dict = {"__name__": "__drawn__"}
-    for code in BLOCK.findall(markdown):
-        exec(compile(code, page.file.abs_src_path, "exec"), names)   # noqa: S102 - our docs
+    with contextlib.redirect_stdout(io.StringIO()):
+        for code in BLOCK.findall(markdown):
+            exec(compile(code, page.file.abs_src_path, "exec"), names)   # noqa: S102 - our docs
 
     def draw(match: re.Match) -> str:
         obj = names[match.group(1)]
