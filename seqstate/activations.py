@@ -8,7 +8,10 @@ Interpretability sweeps over one long shared prefix (activation patching, ACDC) 
 prefix once, however many patched runs follow.  Names are TransformerLens-style
 (``"blocks.3.hook_resid_post"``, ``"blocks.0.attn.hook_z"``, ...) where the model's layers map
 cleanly, or module paths of ``model.hf_model`` (``"model.layers.3.mlp"``): see
-`seqstate.backends.hf.hook_points`.
+`seqstate.backends.hf.hook_points`.  ``"blocks.{i}.attn.hook_pattern"`` reads a layer's
+attention weights, ``(rows, columns, heads, key positions)``: they are read only, and a run
+that reads them computes its attention eagerly (equal to the fused kernels' to fp32 noise,
+slower, and the weights take ``rows x columns x heads x length`` floats a layer).
 
 An activation is ``(rows, columns, ...)``: the state's rows batch-major (as ``list(state)``),
 one column per computed position, left-padded; `Positions` says which position each column
@@ -153,7 +156,12 @@ def _check(model: Any, feature: str, hooks: Hooks, names: Sequence[str],
         if bad:
             raise ArgumentError(f"the hook on {name!r} is {bad[0]!r}: give a function "
                                 f"fn(act, pos) that edits act in place or returns a tensor")
-    model.backend.hook_points([*listed, *names])
+    points = model.backend.hook_points([*listed, *names])
+    patched = [p.name for p in points[:len(listed)] if p.pattern]
+    if patched:
+        raise ArgumentError(f"{patched[0]!r} is read only: attention weights are copied as "
+                            f"the layer forms them, not fed back; patch the heads' outputs "
+                            f"(attn.hook_z) or the layer's input (hook_resid_pre) instead")
     return listed
 
 

@@ -95,6 +95,34 @@ def test_cached_activations_equal_a_fresh_forward(which, request):
     assert_close(cache.logprobs[0, 0], fresh[-1], model, "activations: cache log-probs")
 
 
+@pytest.mark.parametrize("which", ["tiny", pytest.param("real", marks=pytest.mark.real),
+                                   pytest.param("gemma", marks=pytest.mark.real)])
+def test_attention_patterns_equal_a_fresh_eager_forward(which, request):
+    model = request.getfixturevalue(which)
+    hf, last = model.hf_model, model.num_layers - 1
+    story, clean, _ = _states(model)
+    implementation = hf.config._attn_implementation
+    names = [f"blocks.{i}.attn.hook_pattern" for i in (0, last)]
+    cache = clean.run_with_cache(names)
+    assert hf.config._attn_implementation == implementation          # eager for that run only
+    n, k = len(clean.rows[0].tokens), len(story.rows[0].tokens)
+    hf.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            fresh = hf(input_ids=torch.tensor([list(clean.rows[0].tokens)]), use_cache=False,
+                       output_attentions=True).attentions
+    finally:
+        hf.set_attn_implementation(implementation)
+    heads = hf.config.get_text_config(decoder=True).num_attention_heads
+    for i in (0, last):
+        got = cache[f"blocks.{i}.attn.hook_pattern"]            # (rows, columns, heads, keys)
+        assert got.shape == (1, n - k, heads, n)
+        want = fresh[i][0, :, k:].transpose(0, 1)                   # (columns, heads, keys)
+        assert_close(got[0], want, model, "activations: attention pattern")
+        assert_close(got.sum(-1), torch.ones(got.shape[:-1]), model, "activations: weights sum")
+        assert cache.at(names[0], -1).shape == (1, heads, n)
+
+
 def test_start_0_recomputes_every_position(tiny):
     _, clean, _ = _states(tiny)
     before = tiny.stats
@@ -167,7 +195,8 @@ def test_clean_calls_give_what_they_gave_after_any_hooked_run(fresh_tiny):
             "blocks.1.mlp.hook_post": lambda act, pos: act + 1}
     corrupt.run_with_hooks(zero).next_logprobs()
     corrupt.run_with_hooks(zero, start=0).score([" Mary"])
-    clean.run_with_hooks(zero).run_with_cache(["blocks.1.hook_resid_pre"])
+    clean.run_with_hooks(zero).run_with_cache(["blocks.1.hook_resid_pre",
+                                               "blocks.1.attn.hook_pattern"])
     (clean + " more").next_logprobs(hooks=zero)              # tokens the store has never seen
     assert model.stats.kv_bytes_cached == cached and model.stats.segments == segments
     verify_store(model)
@@ -209,6 +238,8 @@ def test_unknown_names_are_refused_before_compute_listing_the_forms(tiny):
         clean.run_with_hooks({"blocks.0.hook_resid_pre": 3}).next_logprobs()
     with pytest.raises(ss.ArgumentError):
         clean.score([" a"], store=True, hooks={})
+    with pytest.raises(ss.ArgumentError, match="read only.*attn.hook_z"):
+        clean.next_logprobs(hooks={"blocks.0.attn.hook_pattern": lambda a, p: None})
     assert tiny.stats == before
     with pytest.raises(ss.HookNameError, match="holds"):
         clean.run_with_cache(["blocks.0.hook_resid_pre"])["blocks.1.hook_resid_pre"]

@@ -2,7 +2,8 @@
 
 A `HookPoint` says where an activation lives in the HF module tree: a module's output or
 the first input of a module (its ``hidden_states``), optionally viewed as ``(..., heads,
-head_dim)``.  Two kinds of names resolve to one:
+head_dim)``, or an attention module's weights (``attn.hook_pattern``, read only).  Two kinds
+of names resolve to one:
 
 * TransformerLens's names, where the model's decoder layers map onto TransformerLens's block
   cleanly: a decoder layer with ``self_attn.o_proj`` and a gated MLP (``gate_proj``,
@@ -35,12 +36,15 @@ _BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 @dataclasses.dataclass(frozen=True, slots=True)
 class HookPoint:
     """Where a named activation is: ``module``'s output (``input=False``) or the first input
-    of ``module`` (``input=True``), viewed as ``(..., heads, head_dim)`` where ``heads``."""
+    of ``module`` (``input=True``), viewed as ``(..., heads, head_dim)`` where ``heads``;
+    ``pattern``: the attention weights ``module`` (an attention layer) returns beside its
+    output, which only eager attention forms (read only)."""
 
     name: str
     module: nn.Module
     input: bool = False
     heads: int | None = None
+    pattern: bool = False
 
 
 def _layers(hf_model: Any) -> Sequence[nn.Module] | None:
@@ -54,8 +58,8 @@ def _sandwich(layer: nn.Module) -> bool:
 
 
 def _block_point(layer: nn.Module, hook: str, heads: int, kv_heads: int) -> tuple | None:
-    """``(module, input, heads)`` of TransformerLens's ``hook`` inside one decoder layer, or
-    None where this layer has no clean counterpart."""
+    """``(module, input, heads[, pattern])`` of TransformerLens's ``hook`` inside one decoder
+    layer, or None where this layer has no clean counterpart."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     sandwich = _sandwich(layer)
     plain_qk = attn is not None and not hasattr(attn, "q_norm")     # no norm after q_proj
@@ -68,6 +72,7 @@ def _block_point(layer: nn.Module, hook: str, heads: int, kv_heads: int) -> tupl
         "hook_attn_out": ((getattr(layer, "post_attention_layernorm", None) if sandwich
                            else attn), False, None),
         "attn.hook_z": (getattr(attn, "o_proj", None), True, heads),
+        "attn.hook_pattern": (attn, False, None, True),
         "attn.hook_q": (getattr(attn, "q_proj", None) if plain_qk else None, False, heads),
         "attn.hook_k": (getattr(attn, "k_proj", None) if plain_qk else None, False, kv_heads),
         "attn.hook_v": (getattr(attn, "v_proj", None) if plain_qk else None, False, kv_heads),
@@ -88,8 +93,8 @@ def block_names(hf_model: Any) -> list[str]:
         return []
     cfg = hf_model.config.get_text_config(decoder=True)
     hooks = ["hook_resid_pre", "hook_resid_post", "ln1.hook_normalized", "ln2.hook_normalized",
-             "hook_attn_out", "attn.hook_z", "attn.hook_q", "attn.hook_k", "attn.hook_v",
-             "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post", "hook_mlp_out"]
+             "hook_attn_out", "attn.hook_z", "attn.hook_pattern", "attn.hook_q", "attn.hook_k",
+             "attn.hook_v", "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post", "hook_mlp_out"]
     heads = cfg.num_attention_heads
     return [h for h in hooks if _block_point(layers[0], h, heads, heads) is not None]
 

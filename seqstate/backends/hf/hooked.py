@@ -10,11 +10,14 @@ modules passes them by), and the store's guard knows them as seqstate's own.
 Rows are right-aligned as in a prefill (`seqstate.backends.hf.prefill.run_tails`): stored KV
 right-aligned to the longest, tails left-padded, explicit positions and a 2-D mask with
 holes.  So an activation is ``(rows, columns, ...)``, and `Positions` says which position of
-its row each column is (-1: padding).
+its row each column is (-1: padding).  Attention weights (``attn.hook_pattern``) are laid out
+over key positions instead of key columns, ``(rows, columns, heads, key positions)``; a
+forward that reads them runs with eager attention, the one implementation that forms them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
@@ -82,6 +85,44 @@ def _hook(point: HookPoint, fns: Sequence[HookFn], capture: dict[str, torch.Tens
     return hook
 
 
+def _pattern_hook(point: HookPoint, capture: dict[str, torch.Tensor], keys: torch.Tensor,
+                  padding: torch.Tensor, owner: int) -> Callable:
+    """The torch hook of an attention layer's weights ``(rows, heads, columns, key columns)``:
+    kept as ``(rows, columns, heads, key positions)`` (``keys``: each key column's position,
+    -1 for padding; 0 where a row has no such key, and in ``padding`` query columns)."""
+
+    def hook(module, args, output):
+        if threading.get_ident() != owner:
+            return None
+        weights = output[1]                                                # (R, H, T, P+T)
+        rows, heads, cols, _ = weights.shape
+        out = weights.new_zeros(rows, cols, heads, int(keys.max()) + 1)     # (R, T, H, L)
+        for i in range(rows):
+            valid = keys[i] >= 0
+            out[i, :, :, keys[i, valid]] = weights[i][:, :, valid].transpose(0, 1)
+        out[padding] = 0
+        capture[point.name] = out
+        return None
+
+    setattr(hook, SCRATCH_HOOK, True)
+    return hook
+
+
+@contextlib.contextmanager
+def _eager(hf_model: Any, wanted: bool):
+    """Eager attention for the length of the block where ``wanted``: the fused kernels never
+    form the attention weights."""
+    before = hf_model.config._attn_implementation
+    if not wanted or before == "eager":
+        yield
+        return
+    hf_model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        hf_model.set_attn_implementation(before)
+
+
 def run_hooked(backend: Any, rows: Sequence[Sequence[int]], starts: Sequence[int],
                reads: Sequence[int], points: Sequence[HookPoint],
                hooks: dict[str, Sequence[HookFn]], capture: Sequence[str]) -> Hooked:
@@ -101,13 +142,14 @@ def run_hooked(backend: Any, rows: Sequence[Sequence[int]], starts: Sequence[int
     ids = torch.full((len(rows), width), backend.pad_token_id, dtype=torch.long,
                      device=device)                                                # (R, T)
     pos = torch.full((len(rows), width), -1, dtype=torch.long, device=device)      # (R, T)
-    mask = torch.zeros(len(rows), past + width, dtype=torch.long, device=device)   # (R, P+T)
+    keys = torch.full((len(rows), past + width), -1, dtype=torch.long, device=device)  # (R, P+T)
     for i, (h, tail) in enumerate(zip(handles, tails)):
         buf.load(i, h, past)
         ids[i, width - len(tail):] = torch.tensor(tail, dtype=torch.long, device=device)
         pos[i, width - len(tail):] = torch.arange(h.length, h.length + len(tail), device=device)
-        mask[i, past - h.length: past] = 1
-        mask[i, past + width - len(tail):] = 1
+        keys[i, past - h.length: past] = torch.arange(h.length, device=device)
+        keys[i, past + width - len(tail):] = pos[i, width - len(tail):]
+    mask = (keys >= 0).long()                                                      # (R, P+T)
     buf.length = past
     del handles
     positions = Positions(pos, tuple(len(r) - len(t) for r, t in zip(rows, tails)),
@@ -121,6 +163,10 @@ def run_hooked(backend: Any, rows: Sequence[Sequence[int]], starts: Sequence[int
         keep = captured if point.name in capture else None
         if not fns and keep is None:
             continue
+        if point.pattern:
+            hook = _pattern_hook(point, captured, keys, pos < 0, owner)
+            registered.append(point.module.register_forward_hook(hook))
+            continue
         hook = _hook(point, fns, keep, positions, owner)
         if point.input:
             registered.append(point.module.register_forward_pre_hook(hook, with_kwargs=True))
@@ -130,8 +176,9 @@ def run_hooked(backend: Any, rows: Sequence[Sequence[int]], starts: Sequence[int
     keep_cols = torch.arange(width - most, width, device=device).expand(len(rows), most)  # (R, K)
     try:
         plain = int(mask.sum()) == mask.numel()
-        logits = backend.forward(ids, None if plain else mask, pos, as_cache(buf),
-                                 logits=keep_cols, scratch=True)                   # (R, K, V)
+        with _eager(backend.hf_model, any(p.pattern and p.name in capture for p in points)):
+            logits = backend.forward(ids, None if plain else mask, pos, as_cache(buf),
+                                     logits=keep_cols, scratch=True)               # (R, K, V)
     finally:
         for handle in registered:
             handle.remove()
