@@ -45,7 +45,7 @@ class Health:
     True
     >>> h.fail("refused"); h.retry_at     # a second failure: twice as long
     3.0
-    >>> now[0] = 3.0; (h.claim(), h.claim())   # one caller takes the probe that is due
+    >>> now[0] = 3.0; (h.claim(), h.claim())   # one caller takes it
     (True, False)
     >>> h.succeed(); h.up
     True
