@@ -80,6 +80,7 @@ def main(model) -> None:
         ("hf engine", best_of(lambda: chained_seqstate(model), repeat=1), ""),
         ("llama.cpp engine", best_of(lambda: chained_seqstate(fast), repeat=1), ""),
     ], "hf engine")
+    llm.close()
     kv_configurations()
 
 
