@@ -33,6 +33,15 @@ def test_each_kind_on_tiny(tiny):
     assert grammar.finish_reason in {"constraint_complete", "max_tokens"}
 
 
+def test_a_choice_returns_its_own_enums_members_when_another_enum_looks_the_same(tiny):
+    # a notebook cell run twice defines a second class of the same name and members
+    again = enum.Enum("Colour", {"RED": "red", "BLUE": "blue"})
+    assert repr(again.RED) == repr(Colour.RED)
+    assert isinstance(ss.choice(tiny, Colour)("x").value, Colour)
+    assert isinstance(ss.choice(tiny, again)("x").value, again)
+    assert isinstance(ss.choice(tiny, Colour)("x").value, Colour)
+
+
 def test_prefix_options_still_work(tiny):
     gen = ss.choice(tiny, ["cat", "category"])
     seen = {gen("Which: ", sampler=ss.multinomial(), seed=i).value for i in range(12)}

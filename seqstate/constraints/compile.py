@@ -124,7 +124,9 @@ def choice(model, spec: Any) -> RegexConstraint:
     texts, values = options_of(spec)
     by_text = dict(zip(texts, values))
     pattern = "(" + "|".join(escape(t) for t in texts) + ")"
-    return _cached(model, ("choice", tuple(texts), tuple(map(repr, values))),
+    # keyed by the values themselves: two enums alike in name and members (a notebook cell
+    # run twice) have equal reprs, and each call must get its own class's members back
+    return _cached(model, ("choice", tuple(texts), tuple(values)),
                    lambda: RegexConstraint(pattern, model, parse=by_text.__getitem__))
 
 
