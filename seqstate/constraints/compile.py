@@ -124,9 +124,10 @@ def choice(model, spec: Any) -> RegexConstraint:
     texts, values = options_of(spec)
     by_text = dict(zip(texts, values))
     pattern = "(" + "|".join(escape(t) for t in texts) + ")"
-    # keyed by the values themselves: two enums alike in name and members (a notebook cell
+    # enum members keyed by themselves: two enums alike in name and members (a notebook cell
     # run twice) have equal reprs, and each call must get its own class's members back
-    return _cached(model, ("choice", tuple(texts), tuple(values)),
+    key = tuple(v if isinstance(v, enum.Enum) else repr(v) for v in values)
+    return _cached(model, ("choice", tuple(texts), key),
                    lambda: RegexConstraint(pattern, model, parse=by_text.__getitem__))
 
 
