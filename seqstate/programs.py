@@ -47,6 +47,10 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
     faster than a loop.  A call's result does not depend on what else runs (greedy output is
     the same as alone; a seeded call samples with its own RNG).
 
+    Ctrl-C ends every running program within about a second: each one's generator call
+    raises `seqstate.Interrupted`, its rows leave the batch, and ``KeyboardInterrupt``
+    reaches the caller; the model stays usable.
+
     Parameters
     ----------
     program : callable
@@ -72,10 +76,6 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
         states, pydantic models, enums, dataclasses, bytes, or tuples, lists and dicts of
         those).  A checkpoint of another program, model or input list, or an input of another
         type, is refused with `seqstate.CheckpointError` before anything runs.
-
-    Ctrl-C ends every running program within about a second: each one's generator call
-    raises `seqstate.Interrupted`, its rows leave the batch, and ``KeyboardInterrupt``
-    reaches the caller; the model stays usable.
 
     Examples
     --------
