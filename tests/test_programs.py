@@ -14,6 +14,8 @@ import time
 import pytest
 
 import seqstate as ss
+from seqstate.engine import decode
+from seqstate.engine.rows import RowRequest
 from seqstate.engine.waiting import INTERRUPT_POLL_SECONDS, interruptible
 
 CHILD = pathlib.Path(__file__).parent / "children" / "interrupted.py"
@@ -140,3 +142,23 @@ def test_a_beam_search_ends_when_its_run_is_interrupted(tiny):
         0.5, lambda: ss.text(tiny)("Once", max_tokens=1500, sampler=ss.beam_search(3)))
     assert len(caught) == 1 and took < 1 + 2 * INTERRUPT_POLL_SECONDS
     assert state.score([" upon"]).logprobs == want          # the model is as it was
+
+
+def _drain(steps) -> None:
+    for _ in steps:
+        pass
+
+
+@pytest.mark.parametrize("entry", ["decode.run", "runner.beam"])
+def test_engine_calls_started_without_a_caller_are_interruptible(tiny, entry):
+    # no caller given: the call builds its own when it starts, inside the run, so the run's
+    # interrupt reaches it (a caller built at import belonged to no run)
+    request = RowRequest(tuple(tiny.encode("Once")), 1500)
+    if entry == "decode.run":
+        call = lambda: _drain(decode.run(tiny, [request]))
+    else:
+        call = lambda: _drain(tiny.runner.beam([[(request, 0.0, 0)]], ss.beam_search(3)))
+    caught, took = _interrupted_after(0.5, call)
+    assert len(caught) == 1 and took < 1
+    # outside a run the same call runs to its end
+    assert len(decode.generate(tiny, [RowRequest(request.tokens, 3)])[0].tokens) == 4

@@ -13,6 +13,7 @@ from seqstate.engine.job import Job
 from seqstate.engine.rows import Decoding, LiveRow, RowRequest, RowResult
 from seqstate.engine.runner import unobserved
 from seqstate.engine.step import Stepper
+from seqstate.engine.waiting import Caller
 
 __all__ = ["generate", "run", "commit", "DecodeJob", "FIRST_CAPACITY"]
 
@@ -141,16 +142,17 @@ def _gather(logits: torch.Tensor, index: list[int], buffers: StepBuffers | None
 
 
 def run(model, requests: Sequence[RowRequest], decoding: Decoding = Decoding(),
-        observe: Callable[[list[LiveRow]], Sequence[Any]] = unobserved
-        ) -> Generator[Any, None, list[RowResult]]:
+        observe: Callable[[list[LiveRow]], Sequence[Any]] = unobserved,
+        caller: Caller | None = None) -> Generator[Any, None, list[RowResult]]:
     """Continue every row on ``model``'s runner (its scheduler, sharing decode steps with
     concurrent calls, or its server's requests), decoded as ``decoding`` says.
 
     Yields what ``observe`` returns after each step; returns the results.  Nothing visible
     outside is mutated: new KV goes into new stored KV, and an exception leaves every
-    existing state as it was.
+    existing state as it was.  ``caller`` as in `seqstate.engine.runner.Runner.run` (None:
+    no deadline; the program run this thread's call belongs to may interrupt it).
     """
-    return model.runner.run(requests, decoding, observe)
+    return model.runner.run(requests, decoding, observe, caller)
 
 
 def generate(model, requests: Sequence[RowRequest], decoding: Decoding = Decoding()

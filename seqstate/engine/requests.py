@@ -39,7 +39,7 @@ from seqstate.engine.beam import Beams
 from seqstate.engine.rows import Decoding, LiveRow, RowRequest, RowResult
 from seqstate.engine.runner import unobserved
 from seqstate.engine.masks import allowed_mask
-from seqstate.engine.waiting import BLOCKING, PAUSE, POLL_SECONDS, Caller, check_interrupted
+from seqstate.engine.waiting import PAUSE, POLL_SECONDS, Caller, check_interrupted
 from seqstate.errors import CapabilityError, EngineError
 from seqstate.finish import FinishReason
 from seqstate.hooks import (TOP_TOKENS, Hook, Replace, Rollback,
@@ -117,7 +117,7 @@ class RequestRunner:
 
     def run(self, requests: Sequence[RowRequest], decoding: Decoding = Decoding(),
             observe: Callable[[list[LiveRow]], Sequence[Any]] = unobserved,
-            caller: Caller = BLOCKING) -> Generator[Any, None, list[RowResult]]:
+            caller: Caller | None = None) -> Generator[Any, None, list[RowResult]]:
         """Continue every row by server requests; yields what ``observe`` returns as tokens
         arrive (and `PAUSE` to an awaiting ``caller`` while none has), returns the results.
         Closing the generator early (a cancelled call) or the caller's deadline closes every
@@ -132,6 +132,7 @@ class RequestRunner:
         kept tokens: a rollback drops tokens and bans the one that stood first, a resample
         bans the token at its position (the server then samples among the rest, as the local
         step does), a replacement is appended as given."""
+        caller = caller or Caller()      # built here: it belongs to the run of this thread
         model = self.model
         backend, engine = model.backend, model.engine
         sampler, max_backtracks = decoding.sampler, decoding.max_backtracks
@@ -227,13 +228,14 @@ class RequestRunner:
 
     def beam(self, groups: Sequence[Sequence[tuple[RowRequest, float, int]]],
              params: BeamSearch, on_step: Callable[[], None] | None = None,
-             caller: Caller = BLOCKING
+             caller: Caller | None = None
              ) -> Generator[Any, None, list[list[tuple[RowResult, float, int]]]]:
         """Beam-search each group (see `Scheduler.beam`) by one-token requests: each step
         asks the server, for every live beam at once, the raw log-probs of its `Beams.k` most
         likely tokens among those its constraint, EOS rules and bans allow (the same
         candidates an engine that steps rows takes from its logits), then advances the
         search.  A failed request raises its typed error and changes no state."""
+        caller = caller or Caller()
         backend = self.model.backend
         beams = Beams(self.model, groups, params)
         size = backend.vocab_size

@@ -19,7 +19,7 @@ import torch
 
 from seqstate.backends.base import Handle, Scored
 from seqstate.engine.rows import Decoding, LiveRow, RowRequest, RowResult
-from seqstate.engine.waiting import BLOCKING, Caller
+from seqstate.engine.waiting import Caller
 from seqstate.errors import ModelClosed
 from seqstate.sampling.params import BeamSearch
 
@@ -45,13 +45,15 @@ class Runner(Protocol):
 
     def run(self, requests: Sequence[RowRequest], decoding: Decoding = Decoding(),
             observe: Callable[[list[LiveRow]], Sequence[Any]] = unobserved,
-            caller: Caller = BLOCKING) -> Generator[Any, None, list[RowResult]]:
+            caller: Caller | None = None) -> Generator[Any, None, list[RowResult]]:
         """Continue every row as ``decoding`` says (its sampler, RNG, hooks; its
         ``speculate``: verify the tokens a constraint forces in one forward, where the
         engine can); yields what ``observe`` returns as the rows advance, returns one result
         per row.  ``caller``: its deadline (past it, `CallTimeout`), and whether it awaits in
-        an event loop (then `PAUSE` is yielded while there is nothing new).  Closing the
-        generator early ends the call's rows at the engine's next step."""
+        an event loop (then `PAUSE` is yielded while there is nothing new); None: a thread's
+        call with no deadline, built when the call starts, so the program run it belongs to
+        may interrupt it (`seqstate.engine.waiting.interruptible`).  Closing the generator
+        early ends the call's rows at the engine's next step."""
         ...
 
     def generate(self, requests: Sequence[RowRequest], decoding: Decoding = Decoding()
@@ -61,7 +63,7 @@ class Runner(Protocol):
 
     def beam(self, groups: Sequence[Sequence[tuple[RowRequest, float, int]]],
              params: BeamSearch, on_step: Callable[[], None] | None = None,
-             caller: Caller = BLOCKING
+             caller: Caller | None = None
              ) -> Generator[Any, None, list[list[tuple[RowResult, float, int]]]]:
         """Beam-search each group (one batch item's incoming beams: request, weight,
         length).  Returns, per group, up to ``width`` ``(result, score, origin)`` triples

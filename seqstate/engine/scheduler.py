@@ -45,7 +45,7 @@ from seqstate.engine.job import Job
 from seqstate.engine.rows import Decoding, LiveRow, RowRequest, RowResult
 from seqstate.engine.runner import unobserved
 from seqstate.engine.running import _Run
-from seqstate.engine.waiting import BLOCKING, PAUSE, POLL_SECONDS, Caller
+from seqstate.engine.waiting import PAUSE, POLL_SECONDS, Caller
 from seqstate.errors import ModelClosed
 from seqstate.sampling.params import BeamSearch
 
@@ -67,7 +67,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         atexit.register(_stop, weakref.ref(self))
 
-    def execute(self, job: Job, caller: Caller = BLOCKING) -> Generator[Any, None, Any]:
+    def execute(self, job: Job, caller: Caller | None = None) -> Generator[Any, None, Any]:
         """Run ``job`` with everyone else's; yields what it delivers, returns its result.
         An awaiting ``caller`` is yielded `PAUSE` whenever the job has nothing new, and woken
         when it has; past the caller's deadline the job is cancelled and `CallTimeout`
@@ -75,6 +75,7 @@ class Scheduler:
         the next step."""
         if threading.current_thread() is self._worker:      # a hook calling a generator
             return (yield from self._alone(job))
+        caller = caller or Caller()      # built here: it belongs to the run of this thread
         caller.left(POLL_SECONDS)            # an interrupted run's call is refused unqueued
         job.wake = caller.wake
         with self._cv:
@@ -106,7 +107,7 @@ class Scheduler:
         """`execute` ``job`` to its end, dropping what it delivers; returns its result.  Its
         caller has no deadline and blocks, and the run it belongs to may interrupt it
         (`seqstate.engine.waiting.interruptible`)."""
-        steps = self.execute(job, Caller())
+        steps = self.execute(job)
         while True:
             try:
                 next(steps)
@@ -126,7 +127,7 @@ class Scheduler:
     # -- a model's calls -----------------------------------------------------------------------
     def run(self, requests: Sequence[RowRequest], decoding: Decoding = Decoding(),
             observe: Callable[[list[LiveRow]], Sequence[Any]] = unobserved,
-            caller: Caller = BLOCKING) -> Generator[Any, None, list[RowResult]]:
+            caller: Caller | None = None) -> Generator[Any, None, list[RowResult]]:
         """Continue every row (a `DecodeJob`), sharing decode steps with concurrent calls;
         yields what ``observe`` returns after each step (and `PAUSE` to an awaiting
         ``caller``), returns the results."""
@@ -139,7 +140,7 @@ class Scheduler:
 
     def beam(self, groups: Sequence[Sequence[tuple[RowRequest, float, int]]],
              params: BeamSearch, on_step: Callable[[], None] | None = None,
-             caller: Caller = BLOCKING
+             caller: Caller | None = None
              ) -> Generator[Any, None, list[list[tuple[RowResult, float, int]]]]:
         """Beam-search each group (one batch item's incoming beams: request, weight, length)
         as a `BeamJob`.  Returns, per group, up to ``width`` ``(result, score, origin)``

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 from seqstate.errors import CallTimeout, Interrupted
 
-__all__ = ["Caller", "BLOCKING", "PAUSE", "Pause", "POLL_SECONDS", "INTERRUPT_POLL_SECONDS",
+__all__ = ["Caller", "PAUSE", "Pause", "POLL_SECONDS", "INTERRUPT_POLL_SECONDS",
            "interruptible", "check_interrupted"]
 
 POLL_SECONDS = 0.5      # how often a waiting caller makes sure its engine is still alive
@@ -119,4 +119,3 @@ class Caller:
         self._event.clear()
 
 
-BLOCKING = Caller()     # a thread's call with no deadline: the runners' default

@@ -7,7 +7,7 @@ from collections.abc import Generator
 from typing import Any
 
 from seqstate.call import Call
-from seqstate.engine.waiting import BLOCKING, Caller
+from seqstate.engine.waiting import Caller
 from seqstate.errors import ArgumentError, SampleMismatch
 from seqstate.generation import capabilities
 from seqstate.generation.prompts import Prompt
@@ -17,7 +17,7 @@ from seqstate.state import SequenceState
 __all__ = ["beam"]
 
 
-def beam(gen, prompt: Prompt, call: Call, resume: bool, caller: Caller = BLOCKING
+def beam(gen, prompt: Prompt, call: Call, resume: bool, caller: Caller | None = None
          ) -> Generator[Any, None, SequenceState]:
     """Beam search over each batch item's samples; returns up to ``width`` samples each.
 

@@ -14,7 +14,7 @@ from typing import Any, Unpack
 from seqstate.call import CALL_PARAMETERS, Call, CallOptions
 from seqstate.constraints.base import Constraint, Cursor
 from seqstate.engine.rows import RowRequest, RowResult
-from seqstate.engine.waiting import BLOCKING, Caller
+from seqstate.engine.waiting import Caller
 from seqstate.errors import ArgumentError, ConstraintError
 from seqstate.finish import FinishReason
 from seqstate.generation import capabilities, prompts
@@ -137,7 +137,7 @@ class Generator:
                                                        caller=caller), checked)
 
     def _stream(self, prompt: Prompt, call: Call, resume: bool, chunks: bool = True,
-                caller: Caller = BLOCKING):
+                caller: Caller | None = None):
         if isinstance(call.sampler, BeamSearch):          # streams nothing until it is done
             return (yield from beam(self, prompt, call, resume, caller))
         state, requests, span_starts, healed = self._prepare(prompt, call, resume)

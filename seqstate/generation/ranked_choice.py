@@ -6,7 +6,7 @@ from typing import Any
 
 from seqstate.call import Call
 from seqstate.constraints import compile as compiled
-from seqstate.engine.waiting import BLOCKING, Caller
+from seqstate.engine.waiting import Caller
 from seqstate.errors import ArgumentError
 from seqstate.finish import FinishReason
 from seqstate.generation import capabilities, prompts
@@ -29,7 +29,7 @@ class ScoredChoice(Generator):
         self.length_normalize = length_normalize
 
     def _stream(self, prompt: Prompt, call: Call, resume: bool, chunks: bool = True,
-                caller: Caller = BLOCKING):
+                caller: Caller | None = None):
         # scoring runs to its end in one go: from an event loop (acall), it holds the loop
         # for the scoring forward
         if resume:
