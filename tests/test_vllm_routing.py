@@ -17,8 +17,9 @@ import seqstate as ss
 from seqstate.backends.vllm import metrics
 from seqstate.backends.vllm.backend import VllmBackend
 from seqstate.backends.vllm.client import Client, ServerDown
-from seqstate.backends.vllm.pool import PROBE_AFTER, Health, Pool, Replica
-from seqstate.backends.vllm.routing import Lineage, Router, block_hashes, rendezvous
+from seqstate.backends.vllm.pool import PROBE_AFTER, SESSION_HEADER, Health, Pool, Replica
+from seqstate.backends.vllm.routing import Lineage, Router, Sessions, block_hashes, rendezvous
+from seqstate.vllm import free_port
 from seqstate.finish import FinishReason
 
 IDLE = {0: 0, 1: 0, 2: 0}
@@ -161,7 +162,7 @@ class _Client:
 
 def _pool(n: int = 3, clock=time.monotonic) -> Pool:
     return Pool([Replica(_Client(f"http://10.0.0.{i}:8000"), clock=clock) for i in range(n)],
-                block=16)
+                block=16, waits=(0.0,))
 
 
 def _request(pool: Pool, tokens: list[int]) -> Replica:
@@ -272,13 +273,30 @@ def test_the_requests_in_flight_on_a_server_that_fails_count_as_one_failure():
 class _Streaming(http.server.BaseHTTPRequestHandler):
     """Streams three tokens as vLLM does, then ``data: [DONE]``; while the server's ``cuts``
     (shared by the stand-ins of a test) last, a request loses its last token and ``[DONE]``
-    instead, the connection closed cleanly (as by a proxy that gives up)."""
+    instead, the connection closed cleanly (as by a proxy that gives up).  While its
+    ``statuses`` last, a request is answered with the next of them instead (an error).  Each
+    request's headers go in its ``seen``."""
 
     def log_message(self, *args):
         pass
 
+    def do_GET(self):                                # /health
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
+        with self.server.lock:
+            self.server.seen.append(dict(self.headers))
+            status = self.server.statuses.pop(0) if self.server.statuses else 200
+        if status != 200:
+            payload = json.dumps({"error": {"message": f"status {status}"}}).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+            return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -304,9 +322,10 @@ def _stand_ins(n: int):
     try:
         for _ in range(n):
             httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Streaming)
-            httpd.cuts, httpd.lock = cuts, lock
+            httpd.cuts, httpd.lock, httpd.seen, httpd.statuses = cuts, lock, [], []
             threading.Thread(target=httpd.serve_forever, daemon=True).start()
             servers.append(httpd)
+        _stand_ins.servers = servers
         yield [f"http://127.0.0.1:{s.server_address[1]}" for s in servers], cuts
     finally:
         for httpd in servers:
@@ -334,3 +353,120 @@ def test_a_stream_closed_before_done_is_a_server_failure_and_is_sent_again():
     assert [t.token for t in got] == [504, 3458, 11]
     assert got[-1].finish is FinishReason.MAX_TOKENS
     assert sorted(r.health.up for r in pool.replicas) == [False, True]
+
+
+def _backend(urls: list[str], **pool) -> VllmBackend:
+    return VllmBackend(Pool([Replica(Client(url)) for url in urls], block=16, **pool),
+                       "m", 50_000, "0" * 64, 512)
+
+
+def _complete(backend: VllmBackend, tokens: list[int]) -> list[int | None]:
+    return [t.token for t in backend.complete(tokens, max_tokens=3, sampler=ss.greedy())]
+
+
+def test_one_url_sends_a_cut_stream_again_and_streams_no_token_twice():
+    with _stand_ins(1) as (urls, cuts):
+        server = _stand_ins.servers[0]
+        backend = _backend(urls, waits=(0.05, 0.1))
+        try:
+            cuts[0] = 2                      # cut twice: the URL is a router whose server died
+            assert _complete(backend, [1, 2, 3]) == [504, 3458, 11]
+            assert len(server.seen) == 3                    # sent again, twice
+            assert [r.health for r in backend.pool.info()] == ["up"]
+            cuts[0] = 3                      # more cuts than rounds: the call fails
+            with pytest.raises(ss.EngineError, match=r"\[DONE\]"):
+                _complete(backend, [1, 2, 3])
+        finally:
+            backend.close()
+
+
+def test_one_url_that_stays_down_fails_after_bounded_retries_with_back_off():
+    backend = _backend([f"http://127.0.0.1:{free_port()}"], waits=(0.2, 0.4))
+    try:
+        start = time.monotonic()
+        with pytest.raises(ss.EngineError, match="did not answer"):
+            _complete(backend, [1, 2, 3])
+        assert 0.6 <= time.monotonic() - start < 5        # both waits, then the error
+    finally:
+        backend.close()
+
+
+def test_a_gateways_5xx_is_sent_again_and_a_4xx_is_raised_at_once():
+    with _stand_ins(1) as (urls, cuts):
+        server = _stand_ins.servers[0]
+        backend = _backend(urls, waits=(0.05,))
+        try:
+            server.statuses[:] = [503]           # a router whose server behind it is gone
+            assert _complete(backend, [1, 2, 3]) == [504, 3458, 11]
+            assert len(server.seen) == 2
+            server.statuses[:] = [400, 400]
+            with pytest.raises(ss.ArgumentError, match="400"):
+                _complete(backend, [1, 2, 3])
+            assert len(server.seen) == 3                    # not sent again
+            server.statuses[:] = [500, 500]          # the server's own error, /health fine
+            with pytest.raises(ss.EngineError, match="500"):
+                _complete(backend, [1, 2, 3])
+            assert len(server.seen) == 4
+        finally:
+            backend.close()
+
+
+def test_a_lineage_keeps_one_key_and_unrelated_roots_get_their_own():
+    sessions = Sessions(block=16, spill=4)
+
+    def served(tokens: list[int]) -> str:
+        key = sessions.begin(tokens)
+        sessions.record(tokens, key)
+        sessions.end(key)
+        return key
+
+    root = _tokens(1, 200)
+    key = served(root)
+    generated = root + _tokens(2, 40)
+    assert served(generated) == key                                  # its continuation
+    assert {sessions.key(root) for _ in range(4)} == {key}            # forks, samples
+    assert sessions.key(generated[:230] + [7]) == key                 # a beam's row
+    assert sessions.key(root[:150] + _tokens(3, 20)) == key           # a score of a slice
+    turn = generated + _tokens(4, 60)
+    assert served(turn) == key and served(turn + _tokens(5, 90)) == key   # chat turns
+    other = _tokens(6, 200)
+    assert served(other) != key and Sessions(16).key(other) == sessions.key(other)
+    assert Sessions(16).key(root) == key                   # every client keys a root alike
+    # a root sharing a short head is a new root; one that mostly extends a document is not
+    assert sessions.key(root[:16] + _tokens(7, 200)) != key
+    assert sessions.key(root + _tokens(8, 100)) == key
+
+
+def test_a_shared_prefix_with_more_than_spill_in_flight_gives_new_roots_keys_of_their_own():
+    sessions = Sessions(block=16, spill=2)
+    system = _tokens(9, 200)
+    shared = sessions.begin(system)
+    sessions.record(system, shared)
+    sessions.end(shared)
+    chats = [system + _tokens(10 + i, 30) for i in range(6)]
+    keys = [sessions.begin(chat) for chat in chats]        # all in flight at once
+    assert keys[:3] == [shared] * 3                          # up to spill beyond: shared
+    assert len(set(keys[3:])) == 3 and shared not in keys[3:]
+    # a state's own requests keep its key however busy it is (samples of one prompt)
+    assert sessions.begin(system) == shared
+
+
+def test_requests_carry_the_lineage_key_in_the_session_header_or_none():
+    with _stand_ins(1) as (urls, cuts):
+        server = _stand_ins.servers[0]
+        backend = _backend(urls)
+        quiet = _backend(urls, header=None)
+        try:
+            root = _tokens(11, 64)
+            _complete(backend, root)
+            _complete(backend, root + [504, 3458, 11, 9])            # its continuation
+            with pytest.raises(ss.EngineError, match="not JSON"):    # it streams every
+                backend.top(root + [504], 2)            # answer: a beam's next-token post
+            _complete(backend, _tokens(12, 64))                       # an unrelated root
+            _complete(quiet, root)
+        finally:
+            backend.close()
+            quiet.close()
+    keys = [seen.get(SESSION_HEADER) for seen in server.seen]
+    assert keys[0] and keys[:3] == [keys[0]] * 3
+    assert keys[3] and keys[3] != keys[0] and keys[4] is None

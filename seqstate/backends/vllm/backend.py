@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from seqstate.backends.base import Capabilities, RequestBackend, Scored, Token, WorkCounters
-from seqstate.backends.vllm.client import Client, ServerDown
+from seqstate.backends.vllm.client import Client
 from seqstate.backends.vllm.pool import Pool, Replica
 from seqstate.backends.vllm.routing import BLOCK
 from seqstate.backends.vllm.wire import (BOUND, FAILED, PENDING, PLUGINS, SIGNAL_KINDS, SIGNALS,
@@ -34,7 +34,7 @@ from seqstate.errors import ArgumentError, CapabilityError, ConstraintError, Eng
 from seqstate.finish import FinishReason
 from seqstate.sampling.params import Greedy, Multinomial, Sampler
 
-__all__ = ["VllmBackend", "RemoteHandle", "Token", "sampling_of", "SCORE_CONCURRENCY",
+__all__ = ["VllmBackend", "RemoteHandle", "Replay", "Token", "sampling_of", "SCORE_CONCURRENCY",
            "MAX_LOGPROB_IDS", "VLLM_RANGES", "PENDING_WAIT"]
 
 SCORE_CONCURRENCY = 32       # scoring requests in flight at once (vLLM batches them)
@@ -110,10 +110,11 @@ def sampling_of(sampler: Sampler) -> dict[str, Any]:
 class VllmBackend(RequestBackend):
     """Requests to vLLM servers that run seqstate's plugin: one, or a pool of replicas.
 
-    Each request goes where `Pool` routes its tokens.  A replica that fails as a server
-    mid-request (`ServerDown`) is left, and the request is sent again to the next: tokens
-    already streamed are not streamed twice, and must come back the same (greedy requests
-    and seeded samples do), else the call fails with `EngineError`.
+    Each request goes where `Pool` routes its tokens (`Pool.call`).  A replica that fails
+    as a server mid-request (`ServerDown`) is left, and the request is sent again to the
+    next, or to the same URL after a wait: tokens already streamed are not streamed twice,
+    and must come back the same (greedy requests and seeded samples do), else the call
+    fails with `EngineError` (`Replay`).
 
     Parameters
     ----------
@@ -177,9 +178,11 @@ class VllmBackend(RequestBackend):
                 signals = dict(zip(self.signals, SIGNAL_KINDS))
             body["vllm_xargs"] = vllm_xargs(self.fingerprint, spec)
         wait = PENDING_WAIT[0]
-        sent: dict[int, list[int | None]] = {}       # choice -> the tokens already yielded
+        replay = Replay()
         while True:
-            pending = yield from self._stream(body, n, top, signals, sent)
+            pending = yield from self.pool.call(
+                body["prompt"], lambda replica, headers: self._attempt(
+                    replica, headers, body, n, top, signals, replay))
             if not pending:
                 return
             time.sleep(wait)             # the constraint is being built on the server
@@ -190,74 +193,39 @@ class VllmBackend(RequestBackend):
         """The first replica's connection pool."""
         return self.pool.client
 
-    def _stream(self, body: dict[str, Any], n: int, top: int, signals: dict[int, str],
-                sent: dict[int, list[int | None]]):
-        """One streamed request's tokens, from replica after replica while they fail as
-        servers (`Pool.attempts`); returns True, having yielded nothing new, where the
-        server ended it because its constraint is still being built (send it again)."""
-        attempts = self.pool.attempts(body["prompt"])
-        try:
-            for replica in attempts:
-                try:
-                    pending = yield from self._attempt(replica, body, n, top, signals, sent)
-                except ServerDown as exc:
-                    self.pool.failed(replica, exc)
-                    continue
-                rows = sent.values() if sent else [[]]
-                for row in rows:
-                    self.pool.served(replica, [*body["prompt"], *(t for t in row if t is not None)])
-                return pending
-        finally:
-            attempts.close()
-        return False                                       # unreachable: attempts raises
-
-    def _attempt(self, replica: Replica, body: dict[str, Any], n: int, top: int,
-                 signals: dict[int, str], sent: dict[int, list[int | None]]):
-        """One streamed request to ``replica``.  Until every choice has its first token they
+    def _attempt(self, replica: Replica, headers: dict[str, str], body: dict[str, Any], n: int,
+                 top: int, signals: dict[int, str], replay: Replay):
+        """One streamed request to ``replica``, for `Pool.call`: returns whether the server
+        ended it because its constraint is still being built (send it again), having yielded
+        nothing new, and the rows it computed.  Until every choice has its first token they
         are held back, so a choice that is pending never follows one that streamed.  Tokens
-        of a choice up to ``len(sent[choice])`` were yielded by a replica that failed: they
-        are checked, not yielded again.  `ConstraintError` where the plugin signals that the
-        constraint failed to build, went over a bound, or failed mid-way."""
+        already streamed by a replica that failed are checked, not yielded again (`Replay`).
+        `ConstraintError` where the plugin signals that the constraint failed to build, went
+        over a bound, or failed mid-way."""
         held: list[Token] | None = [] if signals else None
         started: set[int] = set()
-        seen: dict[int, int] = {}
-
-        def fresh(tokens: list[Token]) -> Iterator[Token]:
-            for t in tokens:
-                k = seen.get(t.index, 0)
-                seen[t.index] = k + 1
-                done = sent.setdefault(t.index, [])
-                if k < len(done):
-                    if done[k] != t.token:
-                        raise EngineError(
-                            f"a vLLM replica failed mid-request and {replica.name}, sent it "
-                            f"again, answered differently at token {k} ({t.token} instead "
-                            f"of {done[k]}): a sampled call is repeatable only with a seed")
-                    continue
-                done.append(t.token)
-                yield t
-
-        with contextlib.closing(replica.stream("/v1/completions", body)) as events:
+        replay.restart(replica.name)
+        with contextlib.closing(replica.stream("/v1/completions", body, headers)) as events:
             for event in events:
                 if event.get("usage"):
                     self._count_usage(event["usage"])
                 for choice in event.get("choices", ()):
                     kind = signals.get(choice.get("stop_reason"))
                     if kind == PENDING:
-                        return True
+                        return True, replay.rows(body["prompt"])
                     if kind is not None:
                         raise ConstraintError(_SIGNALLED.get(kind, _BROKE))
                     tokens = list(_tokens(choice, top))
                     if held is None:
-                        yield from fresh(tokens)
+                        yield from replay.fresh(tokens)
                     elif tokens:
                         held += tokens
                         started.add(choice.get("index", 0))
                 if held is not None and len(started) >= n:
-                    yield from fresh(held)
+                    yield from replay.fresh(held)
                     held = None
-            yield from fresh(held or [])
-        return False
+            yield from replay.fresh(held or [])
+        return False, replay.rows(body["prompt"])
 
     def top(self, tokens: Sequence[int], k: int,
             allowed: torch.Tensor | None = None) -> list[tuple[int, float]]:
@@ -302,18 +270,7 @@ class VllmBackend(RequestBackend):
         body = {"model": self.served, "prompt": list(tokens), "max_tokens": 1,
                 "temperature": 0.0, "return_tokens_as_token_ids": True,
                 "logprobs": logprobs.pop("logprobs", 1), **logprobs}
-        attempts = self.pool.attempts(body["prompt"])
-        try:
-            for replica in attempts:
-                try:
-                    answer = replica.post("/v1/completions", body)
-                except ServerDown as exc:
-                    self.pool.failed(replica, exc)
-                    continue
-                self.pool.served(replica, body["prompt"])
-                break
-        finally:
-            attempts.close()
+        answer = self.pool.post(body["prompt"], "/v1/completions", body)
         if answer.get("usage"):
             self._count_usage(answer["usage"])
         tops = ((answer.get("choices") or [{}])[0].get("logprobs") or {}).get("top_logprobs")
@@ -378,6 +335,43 @@ def _concurrently(fn, items: Sequence[Any]) -> dict[Any, Any]:
     distinct = list(dict.fromkeys(items))
     with ThreadPoolExecutor(max_workers=max(1, min(SCORE_CONCURRENCY, len(distinct)))) as pool:
         return dict(zip(distinct, pool.map(fn, distinct)))
+
+
+class Replay:
+    """What one request streamed to its caller, across the replicas that served it in turn:
+    one that takes over after another failed streams the request from its start, and its
+    tokens up to those already streamed are checked against them, not streamed twice.  They
+    must be the same (greedy requests and seeded samples are), else `EngineError`."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, list[int | None]] = {}       # choice -> the tokens yielded
+        self.seen: dict[int, int] = {}                    # choice -> tokens this attempt
+        self.name = ""
+
+    def restart(self, name: str) -> None:
+        """A new attempt, on the replica ``name``: its tokens count from the first again."""
+        self.seen, self.name = {}, name
+
+    def fresh(self, tokens: Sequence[Token]) -> Iterator[Token]:
+        """Those of ``tokens`` (this attempt's next) not streamed before."""
+        for t in tokens:
+            k = self.seen.get(t.index, 0)
+            self.seen[t.index] = k + 1
+            done = self.sent.setdefault(t.index, [])
+            if k < len(done):
+                if done[k] != t.token:
+                    raise EngineError(
+                        f"a vLLM request failed mid-way and {self.name}, sent it again, "
+                        f"answered differently at token {k} ({t.token} instead of "
+                        f"{done[k]}): a sampled call is repeatable only with a seed")
+                continue
+            done.append(t.token)
+            yield t
+
+    def rows(self, prompt: Sequence[int]) -> list[list[int]]:
+        """The prompt and each choice's tokens: what the serving replica holds now."""
+        return [[*prompt, *(t for t in row if t is not None)]
+                for row in (self.sent.values() or [[]])]
 
 
 def _tokens(choice: dict[str, Any], keep: int = 0) -> Iterator[Token]:

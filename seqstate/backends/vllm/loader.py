@@ -14,7 +14,7 @@ __all__ = ["vllm"]
 def vllm(url: str | Sequence[str], *, model: str | None = None, tokenizer: Any = None,
          timeout: float = 600.0, name: str | None = None, api_key: str | None = None,
          ca_certs: str | os.PathLike | None = None, data_parallel_size: int | None = None,
-         spill: int | None = None) -> VllmModel:
+         spill: int | None = None, session_header: str | None = "X-Session-ID") -> VllmModel:
     """A model on a vLLM server running seqstate's plugin (start one on loopback with
     ``python -m seqstate.vllm serve``): the ``"vllm"`` engine.
 
@@ -34,6 +34,12 @@ def vllm(url: str | Sequence[str], *, model: str | None = None, tokenizer: Any =
     reports each one.  ``data_parallel_size`` pins each lineage to one engine of a server
     started with vLLM's ``--data-parallel-size`` (None: read from the server); ``spill`` is
     the pool's load threshold for new roots (`VllmModel`).
+
+    Every request carries a lineage key in the header ``session_header`` (None: none): one
+    value for a state's whole lineage, so a router in front of replicas (vllm-router's
+    ``consistent_hash`` reads ``X-Session-ID``) keeps it on one replica.  Through one URL, a
+    request cut by a failure is sent again after a short wait, a few times.
     """
     return VllmModel(url, tokenizer, model=model, timeout=timeout, name=name, api_key=api_key,
-                     ca_certs=ca_certs, data_parallel_size=data_parallel_size, spill=spill)
+                     ca_certs=ca_certs, data_parallel_size=data_parallel_size, spill=spill,
+                     session_header=session_header)

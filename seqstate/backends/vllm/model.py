@@ -12,7 +12,7 @@ from typing import Any
 from seqstate.backends.vllm import metrics
 from seqstate.backends.vllm.backend import VllmBackend
 from seqstate.backends.vllm.client import Client, ServerDown
-from seqstate.backends.vllm.pool import Pool, Replica, ReplicaInfo
+from seqstate.backends.vllm.pool import SESSION_HEADER, Pool, Replica, ReplicaInfo
 from seqstate.backends.vllm.routing import BLOCK
 from seqstate.backends.vllm.vocab import served_eos, signal_tokens, vocabulary_table
 from seqstate.backends.vllm.wire import VOCAB_FILE, fingerprint
@@ -71,12 +71,17 @@ class VllmModel(BaseModel):
     spill : int or None
         How many more requests in flight than the least-loaded replica a new root's home
         may carry before the root goes to the least-loaded one (None: `routing.SPILL`).
+    session_header : str or None
+        The header each request's lineage key goes in (`routing.Sessions`): a router in
+        front of replicas hashes it to keep a state's lineage on one of them.  The default,
+        ``X-Session-ID``, is vllm-router's; None sends none.
     """
 
     def __init__(self, url: str | Sequence[str], tokenizer: Any = None, *,
                  model: str | None = None, timeout: float = 600.0, name: str | None = None,
                  api_key: str | None = None, ca_certs: str | os.PathLike | None = None,
-                 data_parallel_size: int | None = None, spill: int | None = None) -> None:
+                 data_parallel_size: int | None = None, spill: int | None = None,
+                 session_header: str | None = SESSION_HEADER) -> None:
         if api_key is None:
             api_key = os.environ.get(API_KEY_ENV) or None
         urls = [url] if isinstance(url, str) else list(url)
@@ -87,7 +92,13 @@ class VllmModel(BaseModel):
             raise ArgumentError(f"data_parallel_size is a count of engines (1 or more, or None "
                                 f"to read it from the server), got {data_parallel_size!r}")
         clients = [Client(u, api_key=api_key, ca_certs=ca_certs, timeout=timeout) for u in urls]
-        served, pool = _pool(clients, model, data_parallel_size, spill)
+        if session_header is not None and not (isinstance(session_header, str)
+                                               and session_header.isascii()
+                                               and session_header.replace("-", "").isalnum()):
+            raise ArgumentError(f"session_header is an HTTP header's name (letters, digits "
+                                f"and '-', such as 'X-Session-ID') or None, got "
+                                f"{session_header!r}")
+        served, pool = _pool(clients, model, data_parallel_size, spill, session_header)
         # the served folder, where the server says where (never this process's working directory)
         folder = Path(served["root"]) if served.get("root") else None
         if tokenizer is None:
@@ -120,7 +131,7 @@ class VllmModel(BaseModel):
 
 
 def _pool(clients: list[Client], model: str | None, data_parallel_size: int | None,
-          spill: int | None) -> tuple[dict[str, Any], Pool]:
+          spill: int | None, header: str | None) -> tuple[dict[str, Any], Pool]:
     """The served model's ``/v1/models`` entry and the pool of replicas behind ``clients``:
     each client's data-parallel ranks (or itself), those that do not answer now counted
     down.  `EngineError` where none answers; `ArgumentError` where two serve different
@@ -157,7 +168,7 @@ def _pool(clients: list[Client], model: str | None, data_parallel_size: int | No
             if i in down:
                 replica.health.fail(str(down[i]))
             replicas.append(replica)
-    return first, Pool(replicas, block or BLOCK, spill)
+    return first, Pool(replicas, block or BLOCK, spill, header)
 
 
 def _metrics(client: Client) -> list[metrics.Sample]:

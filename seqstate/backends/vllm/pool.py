@@ -1,14 +1,20 @@
 """A pool of vLLM replicas serving the same weights, used as one server.
 
 A replica is a server URL, or one data-parallel rank behind a URL (requests carry vLLM's
-``X-data-parallel-rank`` header).  `Pool.attempts` hands a request's replicas out one at a
-time: the one `Router` picks, then, each time the caller comes back because that one failed
-as a server (`ServerDown`), the next.  A replica that failed is down (`Health`), with every
-other rank behind its URL: requests skip it until its next probe of ``/health`` is due.  The
-first request to find the probe due makes it before choosing (waiting at most the probe's
-timeout, `client.PROBE_TIMEOUT`), and the replica rejoins when it answers.  When every
-replica is down, each is probed at once; only when none answers does the call raise
-`EngineError`.
+``X-data-parallel-rank`` header); one URL (a server, or a router in front of several) is a
+pool of one.  `Pool.call` sends a request: to the replica `Router` picks, then, each time
+one fails as a server (`ServerDown`), to the next (`Pool.attempts`).  A replica that failed
+is down (`Health`), with every other rank behind its URL: requests skip it until its next
+probe of ``/health`` is due.  The first request to find the probe due makes it before
+choosing (waiting at most the probe's timeout, `client.PROBE_TIMEOUT`), and the replica
+rejoins when it answers.  When every replica has been tried, the request waits (`RETRY_WAITS`,
+doubling), probes each again and goes on with those that answer, a few times; then the call
+raises `EngineError`.  A 5xx from a replica whose ``/health`` answers is the request's own
+error, raised at once, except a gateway's (502, 503, 504: a router whose server behind it
+went away), which is sent again after the wait; a 4xx is never sent again.
+
+Each request carries a lineage key (`Sessions`, in the header ``Pool.header``): what a
+router in front of replicas hashes to keep a state's lineage on one of them.
 """
 
 from __future__ import annotations
@@ -16,17 +22,27 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import closing
+from typing import TypeVar
 
 from seqstate.backends.vllm.client import Client, ServerDown
-from seqstate.backends.vllm.routing import Router
+from seqstate.backends.vllm.routing import Router, Sessions
 from seqstate.errors import EngineError
 
-__all__ = ["Pool", "Replica", "ReplicaInfo", "Health", "RANK_HEADER", "PROBE_AFTER"]
+__all__ = ["Pool", "Replica", "ReplicaInfo", "Health", "RANK_HEADER", "SESSION_HEADER",
+           "PROBE_AFTER", "RETRY_WAITS", "GATEWAY"]
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 RANK_HEADER = "X-data-parallel-rank"   # vLLM's header pinning a request to one DP engine
+SESSION_HEADER = "X-Session-ID"        # vllm-router's first key for consistent_hash
 PROBE_AFTER = (1.0, 30.0)   # seconds before a down replica is probed: the first wait,
                             # doubling with each failed probe up to the last
+RETRY_WAITS = (0.25, 0.5, 1.0, 2.0)  # seconds a request waits, once every replica has failed
+                                     # it, before each new round of tries
+GATEWAY = (502, 503, 504)   # a router's answers for a server behind it gone or overloaded
 
 
 class Health:
@@ -112,11 +128,12 @@ class Replica:
     def name(self) -> str:
         return self.client.url if self.rank is None else f"{self.client.url}#{self.rank}"
 
-    def stream(self, path: str, body: dict) -> Iterator[dict]:
-        return self.client.stream(path, body, headers=self.headers)
+    def stream(self, path: str, body: dict, headers: dict[str, str] | None = None
+               ) -> Iterator[dict]:
+        return self.client.stream(path, body, headers={**self.headers, **(headers or {})})
 
-    def post(self, path: str, body: dict) -> dict:
-        return self.client.post(path, body, headers=self.headers)
+    def post(self, path: str, body: dict, headers: dict[str, str] | None = None) -> dict:
+        return self.client.post(path, body, headers={**self.headers, **(headers or {})})
 
     def info(self) -> ReplicaInfo:
         return ReplicaInfo(self.client.url, self.rank, "up" if self.health.up else "down",
@@ -133,16 +150,25 @@ class Pool:
     block : int
         The servers' KV block size, for the router.
     spill : int
-        The router's spill threshold (`Router`).
+        The router's spill threshold (`Router`), and the lineage keys' (`Sessions`).
+    header : str or None
+        The header each request's lineage key goes in (None: none is sent).
+    waits : sequence of float
+        Seconds before each new round of tries once every replica has failed a request.
     """
 
-    def __init__(self, replicas: Sequence[Replica], block: int, spill: int | None = None) -> None:
+    def __init__(self, replicas: Sequence[Replica], block: int, spill: int | None = None,
+                 header: str | None = SESSION_HEADER,
+                 waits: Sequence[float] = RETRY_WAITS) -> None:
         if not replicas:
             raise EngineError("a pool needs at least one replica")
         self.replicas = list(replicas)
         names = {i: r.name for i, r in enumerate(self.replicas)}
-        self.router = (Router(block, names=names) if spill is None
-                       else Router(block, spill, names=names))
+        limits = {} if spill is None else {"spill": spill}
+        self.router = Router(block, names=names, **limits)
+        self.sessions = Sessions(block, **limits)
+        self.header = header
+        self.waits = tuple(waits)
         self._lock = threading.Lock()
 
     @property
@@ -150,29 +176,81 @@ class Pool:
         """The first replica's client (a single server's, where the pool has one)."""
         return self.replicas[0].client
 
+    def call(self, tokens: Sequence[int],
+             request: Callable[[Replica, dict[str, str]],
+                               Generator[T, None, tuple[R, list[list[int]]]]]
+             ) -> Generator[T, None, R]:
+        """Send a request of ``tokens`` until a replica serves it: ``request(replica,
+        headers)`` sends it (with ``headers``: the lineage key's) and returns ``(value,
+        rows)``, the rows of tokens (prompt and generated) it left on the replica; what it
+        yields is yielded.  Where it fails as a server (`ServerDown`) it is called again with
+        the next of `attempts`.  Returns ``value``; `EngineError` where none can serve."""
+        key = None if self.header is None else self.sessions.begin(tokens)
+        headers = {} if key is None else {self.header: key}
+        try:
+            with closing(self.attempts(tokens)) as attempts:
+                for replica in attempts:
+                    try:
+                        value, rows = yield from request(replica, headers)
+                    except ServerDown as exc:
+                        self.failed(replica, exc)
+                        continue
+                    for row in rows:
+                        self.served(replica, row)
+                        if key is not None:
+                            self.sessions.record(row, key)
+                    return value
+        finally:
+            if key is not None:
+                self.sessions.end(key)
+        raise AssertionError("unreachable: attempts raises when none is left")
+
+    def post(self, tokens: Sequence[int], path: str, body: dict) -> dict:
+        """`call` for a request of ``tokens`` answered at once: its JSON answer."""
+        def send(replica: Replica, headers: dict[str, str]):
+            return replica.post(path, body, headers), [list(tokens)]
+            yield                                      # a generator that streams nothing
+
+        calling = self.call(tokens, send)
+        try:
+            next(calling)
+        except StopIteration as done:
+            return done.value
+        raise AssertionError("unreachable: a post streams nothing")
+
     def attempts(self, tokens: Sequence[int]) -> Iterator[Replica]:
         """The replicas to try for a request of ``tokens``, one at a time: the caller takes
-        the next only after calling `failed` on the last.  Before each choice, the down
-        replicas whose probe is due are probed.  Each is counted in flight until the caller
-        takes the next or closes the iterator.  `EngineError` when none is left that can
-        serve (each down one probed first)."""
+        the next only after calling `failed` on the last (`call` does both).  Before each
+        choice, the down replicas whose probe is due are probed.  Once every replica has
+        been tried, it waits (`waits`), probes each down one and tries again those up, as
+        many rounds as ``waits`` has.  Each is counted in flight until the caller takes the
+        next or closes the iterator.  `EngineError` where none is left that can serve."""
         tried: set[int] = set()
         errors: list[str] = []
+        waits = iter(self.waits)
+        with self._lock:
+            everyone = not any(r.health.up for r in self.replicas)
         while True:
-            with self._lock:
-                everyone = not errors and not any(r.health.up for r in self.replicas)
             self._probe(tried, everyone)
+            everyone = False
             with self._lock:
                 loads = {i: r.load for i, r in enumerate(self.replicas)
                          if r.health.up and i not in tried}
-                if not loads:
+                if loads:
+                    index = next(iter(loads))
+                    if len(self.replicas) > 1:            # one server: nothing to choose
+                        index = self.router.route(tokens, loads)
+                        self.router.record(tokens, index)
+                    replica = self.replicas[index]
+                    replica.load += 1
+            if not loads:
+                wait = next(waits, None)
+                if wait is None:
                     raise EngineError(self._none_left(errors))
-                index = next(iter(loads))
-                if len(self.replicas) > 1:            # one server: nothing to choose
-                    index = self.router.route(tokens, loads)
-                    self.router.record(tokens, index)
-                replica = self.replicas[index]
-                replica.load += 1
+                time.sleep(wait)                      # a new round: every replica again
+                tried.clear()
+                everyone = True
+                continue
             tried.add(index)
             try:
                 yield replica
@@ -203,12 +281,15 @@ class Pool:
 
     def failed(self, replica: Replica, error: ServerDown) -> None:
         """``replica`` failed a request with ``error``.  A replica that answered 5xx but
-        whose ``/health`` answers failed this request only: the error is raised as it is.
-        Otherwise its server is down, with every replica behind its URL (each data-parallel
+        whose ``/health`` answers failed this request only: the error is raised as it is,
+        unless it is a gateway's (`GATEWAY`: tried again in the next round).  Otherwise its
+        server is down, with every replica behind its URL (each data-parallel
         rank), and the caller goes on to the next of `attempts`.  Only a failure that finds
         a replica up counts: the requests in flight on a server that fails all fail, and
         one outage is one failure to `Health`, not one a request."""
         if error.answered and replica.client.alive():
+            if error.status in GATEWAY:
+                return
             raise error
         with self._lock:
             for other in self.replicas:

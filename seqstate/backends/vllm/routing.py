@@ -15,7 +15,11 @@ computed each block (`Lineage`, least recently used first out).  A request goes 
 3. a new root **spills** to the least-loaded replica where its choice has more than
    ``spill`` requests in flight beyond that one's.
 
-Nothing here sends anything: `Router` is pure state, so the rules are tested without servers
+A router in front of replicas (vllm-router's ``consistent_hash``, SGLang's gateway, Dynamo)
+hashes a header instead: `Sessions` gives each request a lineage key by the same rules, for
+one URL's requests to carry.
+
+Nothing here sends anything: `Router` and `Sessions` are pure state, so the rules are tested without servers
 (``tests/test_vllm_routing.py``).
 
 Examples
@@ -31,13 +35,14 @@ True
 from __future__ import annotations
 
 import hashlib
+import threading
 from array import array
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Container, Mapping, Sequence
 
 from seqstate.errors import ArgumentError
 
-__all__ = ["Router", "Lineage", "block_hashes", "rendezvous", "BLOCK", "SPILL",
+__all__ = ["Router", "Sessions", "Lineage", "block_hashes", "rendezvous", "BLOCK", "SPILL",
            "LINEAGE_BLOCKS"]
 
 BLOCK = 16               # vLLM's default block size, where a server does not say its own
@@ -82,15 +87,16 @@ class Lineage:
         while len(self._where) > self.capacity:
             self._where.popitem(last=False)
 
-    def longest(self, hashes: Sequence[bytes], serving: Mapping[int, object]) -> tuple[int, int]:
+    def longest(self, hashes: Sequence[bytes],
+                serving: Container | None = None) -> tuple[int, int]:
         """``(blocks, replica)``: the longest chain of ``hashes`` remembered on a replica in
-        ``serving``, ``(0, -1)`` where none is."""
+        ``serving`` (None: on any), ``(0, -1)`` where none is."""
         best = (0, -1)
         for depth, h in enumerate(hashes, 1):
             replica = self._where.get(h)
             if replica is None:
                 break                     # a chain: no later block can be remembered
-            if replica in serving:
+            if serving is None or replica in serving:
                 best = (depth, replica)
         return best
 
@@ -142,3 +148,67 @@ class Router:
         """``tokens`` were (or are being) computed on ``replica``: their whole blocks live
         there now."""
         self.lineage.record(block_hashes(tokens, self.block), replica)
+
+
+class Sessions:
+    """Each request's lineage key, for a router in front of replicas to hash (the session
+    header), by `Router`'s rules, from tokens alone (every client gives the same):
+
+    1. a request whose longest remembered chain of blocks covers at least half its tokens
+       takes that chain's key: a state's continuations, forks, samples, beams, scores and
+       chat turns, and a new root that mostly extends a prefix sent before (a document that
+       many programs share stays on one replica);
+    2. otherwise it is a new root, keyed by its own tokens (the digest of its whole blocks);
+    3. a request that adds whole blocks of its own to a chain whose key has more than
+       ``spill`` requests in flight is keyed by its own tokens too (a router cannot spill:
+       without this, every chat behind one system prompt would share one key).
+
+    Examples
+    --------
+    >>> sessions = Sessions(block=4)
+    >>> root = list(range(12))
+    >>> key = sessions.begin(root)
+    >>> sessions.record(root + [5, 5, 5, 5], key); sessions.end(key)
+    >>> sessions.begin(root + [5, 5, 5, 5, 9]) == key      # its continuation
+    True
+    >>> sessions.begin([7] * 12) == key                       # an unrelated root
+    False
+    """
+
+    def __init__(self, block: int = BLOCK, spill: int = SPILL) -> None:
+        self.block = block
+        self.spill = spill
+        self.lineage = Lineage()
+        self.flying: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def key(self, tokens: Sequence[int]) -> str:
+        """The lineage key of a request of ``tokens`` (as hex)."""
+        hashes = block_hashes(tokens, self.block)
+        with self._lock:
+            depth, key = self.lineage.longest(hashes)
+            busy = depth < len(hashes) and self.flying[key] > self.spill
+        if depth and 2 * depth * self.block >= len(tokens) and not busy:
+            return key
+        own = hashes[-1] if hashes else hashlib.blake2b(array("q", tokens).tobytes(),
+                                                        digest_size=12).digest()
+        return own.hex()
+
+    def begin(self, tokens: Sequence[int]) -> str:
+        """The key of a request of ``tokens`` that starts now (in flight until `end`)."""
+        key = self.key(tokens)
+        with self._lock:
+            self.flying[key] += 1
+        return key
+
+    def end(self, key: str) -> None:
+        with self._lock:
+            self.flying[key] -= 1
+            if not self.flying[key]:
+                del self.flying[key]
+
+    def record(self, tokens: Sequence[int], key: str) -> None:
+        """``tokens`` were computed under ``key``: their whole blocks carry it now."""
+        hashes = block_hashes(tokens, self.block)
+        with self._lock:
+            self.lineage.record(hashes, key)
