@@ -28,15 +28,14 @@ PROBE_TIMEOUT = 2.0      # seconds a ``/health`` probe waits
 
 class ServerDown(EngineError):
     """The server failed as a server, not as a judge of the request: it refused the
-    connection, reset it, cut a stream, or answered 5xx (``answered``: it spoke, with HTTP
-    ``status``, so a pool asks its ``/health`` before calling it down).  A pool re-sends the
-    request (`seqstate.backends.vllm.pool`); with nowhere to send it, the caller sees an
+    connection, reset it, cut a stream, or answered 5xx (``answered``: it spoke, so a pool
+    asks its ``/health`` before calling it down).  A pool re-sends the request
+    (`seqstate.backends.vllm.pool`); with nowhere to send it, the caller sees an
     `EngineError`."""
 
-    def __init__(self, message: str, answered: bool = False, status: int | None = None) -> None:
+    def __init__(self, message: str, answered: bool = False) -> None:
         super().__init__(message)
         self.answered = answered
-        self.status = status
 
 
 class Client:
@@ -203,5 +202,5 @@ def _error(status: int, error: dict[str, Any], url: str = "") -> Exception:
     if status == 400 or status == 422:
         return ArgumentError(text)
     if status >= 500:
-        return ServerDown(text, answered=True, status=status)
+        return ServerDown(text, answered=True)
     return EngineError(text)

@@ -9,9 +9,10 @@ probe of ``/health`` is due.  The first request to find the probe due makes it b
 choosing (waiting at most the probe's timeout, `client.PROBE_TIMEOUT`), and the replica
 rejoins when it answers.  When every replica has been tried, the request waits (`RETRY_WAITS`,
 doubling), probes each again and goes on with those that answer, a few times; then the call
-raises `EngineError`.  A 5xx from a replica whose ``/health`` answers is the request's own
-error, raised at once, except a gateway's (502, 503, 504: a router whose server behind it
-went away), which is sent again after the wait; a 4xx is never sent again.
+raises `EngineError`.  A 5xx from a replica whose ``/health`` answers leaves it up, and the
+request is sent again like the others (a router answers 500 for a server behind it that
+died, vllm-router 0.1.17 among them); where every round ends so, that answer is raised.  A
+4xx is the request's own error, never sent again.
 
 Each request carries a lineage key (`Sessions`, in the header ``Pool.header``): what a
 router in front of replicas hashes to keep a state's lineage on one of them.
@@ -31,7 +32,7 @@ from seqstate.backends.vllm.routing import Router, Sessions
 from seqstate.errors import EngineError
 
 __all__ = ["Pool", "Replica", "ReplicaInfo", "Health", "RANK_HEADER", "SESSION_HEADER",
-           "PROBE_AFTER", "RETRY_WAITS", "GATEWAY"]
+           "PROBE_AFTER", "RETRY_WAITS"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -42,7 +43,6 @@ PROBE_AFTER = (1.0, 30.0)   # seconds before a down replica is probed: the first
                             # doubling with each failed probe up to the last
 RETRY_WAITS = (0.25, 0.5, 1.0, 2.0)  # seconds a request waits, once every replica has failed
                                      # it, before each new round of tries
-GATEWAY = (502, 503, 504)   # a router's answers for a server behind it gone or overloaded
 
 
 class Health:
@@ -184,22 +184,28 @@ class Pool:
         headers)`` sends it (with ``headers``: the lineage key's) and returns ``(value,
         rows)``, the rows of tokens (prompt and generated) it left on the replica; what it
         yields is yielded.  Where it fails as a server (`ServerDown`) it is called again with
-        the next of `attempts`.  Returns ``value``; `EngineError` where none can serve."""
+        the next of `attempts`.  Returns ``value``; `EngineError` where none can serve (the
+        last answer, where a replica that answers ``/health`` failed the last try)."""
         key = None if self.header is None else self.sessions.begin(tokens)
         headers = {} if key is None else {self.header: key}
+        answered: ServerDown | None = None
         try:
             with closing(self.attempts(tokens)) as attempts:
                 for replica in attempts:
                     try:
                         value, rows = yield from request(replica, headers)
                     except ServerDown as exc:
-                        self.failed(replica, exc)
+                        answered = exc if self.failed(replica, exc) else None
                         continue
                     for row in rows:
                         self.served(replica, row)
                         if key is not None:
                             self.sessions.record(row, key)
                     return value
+        except EngineError:
+            if answered is None:
+                raise
+            raise answered from None
         finally:
             if key is not None:
                 self.sessions.end(key)
@@ -279,22 +285,20 @@ class Pool:
         """Probe every down replica whose probe is due; those that answer rejoin."""
         self._probe(set(), everyone=False)
 
-    def failed(self, replica: Replica, error: ServerDown) -> None:
-        """``replica`` failed a request with ``error``.  A replica that answered 5xx but
-        whose ``/health`` answers failed this request only: the error is raised as it is,
-        unless it is a gateway's (`GATEWAY`: tried again in the next round).  Otherwise its
-        server is down, with every replica behind its URL (each data-parallel
+    def failed(self, replica: Replica, error: ServerDown) -> bool:
+        """``replica`` failed a request with ``error``.  Whether it stays up: a replica that
+        answered 5xx and whose ``/health`` answers failed this request only (it is tried
+        again in the next round).  Otherwise its server is down, with every replica behind its URL (each data-parallel
         rank), and the caller goes on to the next of `attempts`.  Only a failure that finds
         a replica up counts: the requests in flight on a server that fails all fail, and
         one outage is one failure to `Health`, not one a request."""
         if error.answered and replica.client.alive():
-            if error.status in GATEWAY:
-                return
-            raise error
+            return True
         with self._lock:
             for other in self.replicas:
                 if other.client.url == replica.client.url and other.health.up:
                     other.health.fail(str(error))
+        return False
 
     def served(self, replica: Replica, tokens: Sequence[int]) -> None:
         """``replica`` answered a request; ``tokens`` (prompt and generated) live there."""
