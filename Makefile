@@ -21,6 +21,7 @@ LLAMA_WHEELS := $(HOME)/.cache/seqstate/llama-wheels/$(LLAMA_VERSION)-$(shell ec
 # `import transformers` against CPU torch).  .venv-vllm links to it; seqstate's plugin is
 # installed into it from this checkout whenever the plugin changes.
 VLLM_VERSION := 0.32.0
+VLLM_ROUTER_VERSION := 0.1.17
 VLLM_HOME := $(HOME)/.cache/seqstate/venv-vllm-$(VLLM_VERSION)
 VLLM_BASE := $(VLLM_HOME)/.installed
 VLLM := $(VENV)/.vllm-plugin
@@ -71,11 +72,13 @@ $(VLLM_BASE):
 
 # Reinstalled whenever a file of the plugin changes, or one is added or removed (the folder's
 # time); setuptools' build/ folder goes first, or a removed module would come back from it.
+# vllm-router (the vLLM project's Rust router, `seqstate.vllm.Router`) goes in beside vLLM.
 $(VLLM): $(STAMP) $(VLLM_BASE) $(PLUGIN)/pyproject.toml $(PLUGIN)/seqstate_vllm \
 		$(wildcard $(PLUGIN)/seqstate_vllm/*.py)
 	ln -sfn $(VLLM_HOME) .venv-vllm
 	rm -rf $(PLUGIN)/build
 	$(VLLM_HOME)/bin/python -m pip install --quiet --no-deps --force-reinstall ./$(PLUGIN)
+	$(VLLM_HOME)/bin/python -m pip install --quiet vllm-router==$(VLLM_ROUTER_VERSION)
 	touch $(VLLM)
 
 demo: $(STAMP)

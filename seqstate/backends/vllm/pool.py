@@ -288,8 +288,8 @@ class Pool:
     def failed(self, replica: Replica, error: ServerDown) -> bool:
         """``replica`` failed a request with ``error``.  Whether it stays up: a replica that
         answered 5xx and whose ``/health`` answers failed this request only (it is tried
-        again in the next round).  Otherwise its server is down, with every replica behind its URL (each data-parallel
-        rank), and the caller goes on to the next of `attempts`.  Only a failure that finds
+        again in the next round).  Otherwise its server is down, with every replica behind
+        its URL (each data-parallel rank), and the caller goes on to the next of `attempts`.  Only a failure that finds
         a replica up counts: the requests in flight on a server that fails all fail, and
         one outage is one failure to `Health`, not one a request."""
         if error.answered and replica.client.alive():

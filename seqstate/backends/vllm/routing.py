@@ -19,8 +19,8 @@ A router in front of replicas (vllm-router's ``consistent_hash``, SGLang's gatew
 hashes a header instead: `Sessions` gives each request a lineage key by the same rules, for
 one URL's requests to carry.
 
-Nothing here sends anything: `Router` and `Sessions` are pure state, so the rules are tested without servers
-(``tests/test_vllm_routing.py``).
+Nothing here sends anything: `Router` and `Sessions` are pure state, so the rules are tested
+without servers (``tests/test_vllm_routing.py``).
 
 Examples
 --------

@@ -42,7 +42,7 @@ from seqstate.backends.vllm.vocab import served_eos, vocabulary_table
 from seqstate.backends.vllm.wire import PLUGINS, VOCAB_ENV, VOCAB_FILE
 from seqstate.errors import ArgumentError, EngineError, ModelNotAvailable
 
-__all__ = ["Server", "server_python", "model_folder", "free_port", "loopback", "keyed",
+__all__ = ["Process", "Server", "server_python", "model_folder", "free_port", "loopback", "keyed",
            "FLAGS", "EXACT", "VENV", "PLUGINS", "RUNNER_ENV"]
 
 VENV = ".venv-vllm"
@@ -220,7 +220,88 @@ def _in_use(host: str, port: int) -> bool:
     return False
 
 
-class Server:
+class Process:
+    """A server process started here (`Server`, `Router`): ``start()`` returns once its
+    ``/health`` answers at ``url``; ``stop()`` (or leaving the ``with`` block) ends it and
+    its children.  Subclasses give ``command()``, ``environment()``, ``url``, ``log`` and
+    ``what`` (its name in messages)."""
+
+    what = "the process"
+    process: subprocess.Popen | None = None
+    log: Any = None
+    url: str
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def environment(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def start(self, timeout: float = START_TIMEOUT) -> Process:
+        """Start the process and wait for ``/health``; `EngineError` (with the end of its
+        log) where it exits or does not answer within ``timeout`` seconds."""
+        out = self.log if self.log is not None else subprocess.DEVNULL
+        self.process = _SPAWNER.submit(subprocess.Popen, self.command(), env=self.environment(),
+                                       stdout=out, stderr=subprocess.STDOUT,
+                                       start_new_session=True,
+                                       preexec_fn=_end_with_parent).result()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                code = self.process.returncode
+                self.process = None
+                raise EngineError(f"{self.what} exited with status {code} while starting"
+                                  f"{self._log_tail()}")
+            if self.healthy():
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise EngineError(f"{self.what} did not answer /health within {timeout:.0f} s"
+                          f"{self._log_tail()}")
+
+    def healthy(self) -> bool:
+        # a liveness probe of the process started here, on its own port: it sends nothing
+        # secret, so a self-signed certificate (--ssl-certfile) need not be trusted for it
+        context = None
+        if self.url.startswith("https"):
+            context = ssl.create_default_context()
+            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2, context=context) as r:
+                return r.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the process and every process it started (SIGTERM, then SIGKILL)."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    def _log_tail(self) -> str:
+        name = getattr(self.log, "name", None)
+        if not isinstance(name, str) or not os.path.isfile(name):
+            return ""
+        with open(name, errors="replace") as f:
+            tail = f.read()[-3000:]
+        return f"; the end of its log ({name}):\n{tail}"
+
+    def __enter__(self) -> Process:
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class Server(Process):
     """A vLLM server process with seqstate's plugin, on ``host:port`` (loopback by default).
 
     ``start()`` returns once ``/health`` answers; ``stop()`` (or leaving the ``with`` block)
@@ -251,6 +332,8 @@ class Server:
         ``$VLLM_USE_V2_MODEL_RUNNER`` pinned to match); None: the variable where it is set,
         else whether the server environment's vLLM finds a usable Triton.
     """
+
+    what = "the vLLM server"
 
     def __init__(self, model: str | os.PathLike | None = None, *, port: int | None = None,
                  host: str = "127.0.0.1", python: str | os.PathLike | None = None,
@@ -326,65 +409,3 @@ class Server:
             env["VLLM_API_KEY"] = self.api_key
         return env
 
-    def start(self, timeout: float = START_TIMEOUT) -> Server:
-        """Start the server and wait for ``/health``; `EngineError` (with the end of its
-        log) where it exits or does not answer within ``timeout`` seconds."""
-        out = self.log if self.log is not None else subprocess.DEVNULL
-        self.process = _SPAWNER.submit(subprocess.Popen, self.command(), env=self.environment(),
-                                       stdout=out, stderr=subprocess.STDOUT,
-                                       start_new_session=True,
-                                       preexec_fn=_end_with_parent).result()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                code = self.process.returncode
-                self.process = None
-                raise EngineError(f"the vLLM server exited with status {code} while starting"
-                                  f"{self._log_tail()}")
-            if self.healthy():
-                return self
-            time.sleep(0.5)
-        self.stop()
-        raise EngineError(f"the vLLM server did not answer /health within {timeout:.0f} s"
-                          f"{self._log_tail()}")
-
-    def healthy(self) -> bool:
-        # a liveness probe of the process started here, on its own port: it sends nothing
-        # secret, so a self-signed certificate (--ssl-certfile) need not be trusted for it
-        context = None
-        if self.url.startswith("https"):
-            context = ssl.create_default_context()
-            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2, context=context) as r:
-                return r.status == 200
-        except (OSError, urllib.error.URLError):
-            return False
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """End the server and every process it started (SIGTERM, then SIGKILL)."""
-        process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-    def _log_tail(self) -> str:
-        name = getattr(self.log, "name", None)
-        if not isinstance(name, str) or not os.path.isfile(name):
-            return ""
-        with open(name, errors="replace") as f:
-            tail = f.read()[-3000:]
-        return f"; the end of its log ({name}):\n{tail}"
-
-    def __enter__(self) -> Server:
-        return self.start() if self.process is None else self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
