@@ -3,6 +3,7 @@
 from seqstate import (activations, backends, constraints, engine, grammars, hooks, models,
                       sampling, viz)
 from seqstate.programs import BatchError, arun_batch, run_batch
+from seqstate.checkpoint import results as checkpoint_results
 from seqstate.conversation import chat
 from seqstate.errors import (ActivationHookError, ArgumentError, AuthenticationError,
                              BatchMismatch, CacheFullError, CallTimeout, CapabilityError,
@@ -23,6 +24,7 @@ from seqstate.state import SequenceState
 __all__ = [
     "SequenceState", "from_tokens", "loads", "SavedState", "Scores", "Generator", "text", "choice", "regex", "json", "cfg",
     "continuous", "final_state", "FinishReason", "chat", "run_batch", "arun_batch", "BatchError",
+    "checkpoint_results",
     "greedy", "multinomial", "beam_search",
     "models", "backends", "engine", "sampling", "constraints", "grammars", "hooks", "viz",
     "SeqStateError", "SlicingError", "BatchMismatch", "SampleMismatch", "ModelMismatch",

@@ -5,47 +5,96 @@ full synchronisation) in its own transaction as soon as its program returns, so 
 at any moment keeps every result it finished.  Run again with the same checkpoint, finished
 inputs get their stored results without their program being called.
 
-A checkpoint belongs to one run: its program (qualified name, bytecode, and the data a partial
-binds or its defaults hold), the models the program uses (name, engine, tokenizer) and its
-input list.  Any other is refused with `seqstate.CheckpointError` before anything runs.
-Inputs are identified by their data: JSON values, states (by their saved form), pydantic
-models, enums, dataclasses, bytes, and tuples, lists and dicts of those; an input of another
-type is refused before anything runs (pass an id or a path the program looks up instead).
+A checkpoint belongs to one run: its program (the ``key=`` given, else its qualified name
+and source), its models and its input list (`seqstate.checkpoint_identity` says exactly
+what counts).  Any other is refused with `seqstate.CheckpointError` before anything runs;
+`results` reads a checkpoint's results without the program.
 
 A result is stored as JSON data (states as ``state.dumps()`` does, pydantic models and enums
-by class name, rebuilt into their classes when resumed), with a digest: a row whose digest
-does not match (a torn write) is run again, never read.  A failed input is not stored:
-a rerun tries it again.  A result that cannot be stored stops the run at the first one.
+by class name), with a digest: a row whose digest does not match (a torn write) is run
+again, never read.  Classes are rebuilt by the one rule of `seqstate.persist`: only those
+the caller gives (``types=``).  A failed input is not stored: a rerun tries it again.  A
+result that cannot be stored stops the run at the first one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import hashlib
 import json
+import os
+import pathlib
 import sqlite3
-import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from types import CodeType
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from seqstate.checkpoint_identity import input_key, is_model, model_key, models_of, run_identity
 from seqstate.conversation import Conversation
 from seqstate.errors import CheckpointError, StateFormatError
-from seqstate.persist import class_name, decode_rows, from_json, read, to_json, tokenizer_id
+from seqstate.persist import SavedState, class_name, decode_rows, from_json, read, to_json
+from seqstate.persist import tokenizer_id
 from seqstate.state import SequenceState
 
-__all__ = ["Checkpoint", "program_id", "models_of"]
+__all__ = ["Checkpoint", "results"]
 
-VERSION = 1
+VERSION = 2         # 2: the program by its source or key (1: by its bytecode)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS results (
     idx INTEGER PRIMARY KEY, input TEXT NOT NULL, data BLOB NOT NULL, digest TEXT NOT NULL);
 """
+
+_is_model = is_model        # the name seqstate.ray imports
+
+
+def results(path: str | os.PathLike, *, models: Iterable[Any] = (),
+            types: Iterable[type] = ()) -> dict[int, Any]:
+    """The results a checkpoint holds, by input index, read without its program (a
+    checkpoint another program's run refuses stays readable).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A checkpoint ``run_batch`` wrote.
+    models : iterable of models, optional
+        A stored state whose model (name and tokenizer) is among these comes back as a state
+        of it; any other as a `seqstate.SavedState` (``ss.loads(model, saved)`` binds it).
+    types : iterable of classes, optional
+        Pydantic models and enums to rebuild values of (as ``ss.loads`` does); values of
+        other classes stay their JSON.
+
+    Examples
+    --------
+    >>> import pathlib, tempfile
+    >>> import seqstate as ss
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.sqlite"
+    >>> ss.run_batch(len, ["ab", "abc"], checkpoint=path, key="lengths", progress=False)
+    [2, 3]
+    >>> ss.checkpoint_results(path)
+    {0: 2, 1: 3}
+    """
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no checkpoint file at {str(path)!r}")
+    models, given = list(models), {class_name(t): t for t in types}
+
+    def state(data: dict) -> Any:
+        doc = _state_doc(data)
+        model = next((m for m in models if _belongs(doc, m)), None)
+        return SavedState(json.dumps(doc).encode()) if model is None else \
+            _state(doc, model, given)
+
+    with contextlib.closing(_connect(_read_only(path), path, uri=True)) as db:
+        with _sqlite_errors(path, "read"):
+            rows = db.execute("SELECT idx, input, data, digest FROM results").fetchall()
+    out = {}
+    for idx, _, data, _ in _intact(rows):
+        try:
+            out[idx] = from_json(json.loads(data), given, state)
+        except (ValueError, StateFormatError):
+            continue                    # unreadable: as a run would run it again
+    return dict(sorted(out.items()))
 
 
 class Checkpoint:
@@ -59,21 +108,21 @@ class Checkpoint:
         The run's program.
     inputs : sequence
         The run's inputs, in order.
+    key : str or None, default None
+        The program's name for the checkpoint; None: its qualified name and source.
+    types : iterable of classes, optional
+        The pydantic models and enums results hold (the classes a resumed run rebuilds).
     """
 
-    def __init__(self, path: Any, program: Callable, inputs: Sequence[Any]) -> None:
+    def __init__(self, path: Any, program: Callable, inputs: Sequence[Any], *,
+                 key: str | None = None, types: Iterable[type] = ()) -> None:
         self.path = path
         self.models = models_of(program)
-        self.inputs = [_digest(_input_text(i, x)) for i, x in enumerate(inputs)]
-        identity = {"version": str(VERSION), "program": program_id(program),
-                    "models": json.dumps(sorted(self.models)),
-                    "inputs": _digest(self.inputs), "count": str(len(self.inputs))}
+        self.types = {class_name(t): t for t in types}
+        self.inputs = [input_key(i, x) for i, x in enumerate(inputs)]
+        identity = run_identity(program, key, self.models, self.inputs, VERSION)
         self._lock = threading.Lock()
-        try:
-            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        except sqlite3.Error as exc:
-            raise CheckpointError(f"cannot open checkpoint {str(path)!r} ({exc}); give the "
-                                  "path of a checkpoint run_batch wrote, or a new file") from None
+        self._db = _connect(path, path)
         try:
             with self._sqlite_errors("open"):
                 self._db.execute("PRAGMA journal_mode=WAL")
@@ -99,8 +148,10 @@ class Checkpoint:
             if stored.get(key) != identity[key]:
                 raise CheckpointError(
                     f"checkpoint {str(self.path)!r} belongs to another run: its {name} differs "
-                    f"(stored {_short(stored.get(key))}, this run {_short(identity[key])}); "
-                    "pass another checkpoint path, or delete this file to start over")
+                    f"(stored {_short(stored.get(key))}, this run {_short(identity[key])})"
+                    f"{_hint(key, stored.get(key))}; pass another checkpoint path, or delete "
+                    "this file to start over.  Its results stay readable without the program: "
+                    f"ss.checkpoint_results({str(self.path)!r})")
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -114,44 +165,37 @@ class Checkpoint:
             raise
         self._db.execute("COMMIT")
 
-    @contextlib.contextmanager
-    def _sqlite_errors(self, doing: str) -> Iterator[None]:
-        """SQLite's errors (a locked or full disk, a damaged file) as `CheckpointError`."""
-        try:
-            yield
-        except sqlite3.Error as exc:
-            raise CheckpointError(f"cannot {doing} checkpoint {str(self.path)!r}: {exc}; give "
-                                  "the path of a checkpoint run_batch wrote, or a new file, on "
-                                  "a disk with room, that no other run is writing") from None
+    def _sqlite_errors(self, doing: str) -> contextlib.AbstractContextManager:
+        return _sqlite_errors(self.path, doing)
 
     # -- results -----------------------------------------------------------------------------
     def finished(self) -> dict[int, Any]:
         """The stored results by input index; rows that fail their digest are left out (their
-        inputs run again)."""
+        inputs run again).  `CheckpointError` where they hold values of classes not among
+        ``types``."""
         with self._lock, self._sqlite_errors("read"):
             rows = self._db.execute("SELECT idx, input, data, digest FROM results").fetchall()
-        classes = _Imported()
-        state = functools.partial(self._decode_state, classes=classes)
+        classes = _Given(self.types)
         out = {}
-        for idx, key, data, digest in rows:
-            if (0 <= idx < len(self.inputs) and key == self.inputs[idx]
-                    and hashlib.sha256(data).hexdigest() == digest):
+        for idx, key, data, _ in _intact(rows):
+            if 0 <= idx < len(self.inputs) and key == self.inputs[idx]:
                 try:
-                    out[idx] = from_json(json.loads(data), classes, state)
+                    out[idx] = from_json(json.loads(data), classes,
+                                         lambda d: self._decode_state(d, classes))
                 except (ValueError, StateFormatError):
                     continue                    # unreadable: run it again
         if classes.missing:
             raise CheckpointError(
                 f"the stored results hold values of {', '.join(sorted(classes.missing))}, "
-                "classes no imported module has; import their modules before run_batch, so "
-                "that resumed results are rebuilt as the first run returned them")
+                "classes not among types=; pass them (run_batch(..., types=[...])), so that "
+                "resumed results are rebuilt as the first run returned them")
         return out
 
     def put(self, idx: int, result: Any) -> None:
         """Store input ``idx``'s result durably (one transaction); `CheckpointError` where it
         cannot be stored."""
         try:
-            _importable(result)
+            self._given(result)
             data = json.dumps(to_json(result, self._encode_state), separators=(",", ":"),
                               allow_nan=False).encode()
         except StateFormatError as exc:
@@ -166,194 +210,118 @@ class Checkpoint:
         with self._lock:
             self._db.close()
 
+    def _given(self, value: Any) -> None:
+        """Raise `StateFormatError` for a pydantic or enum value whose class is not among
+        ``types`` (a resumed run could not rebuild it)."""
+        cls = type(value)
+        if (hasattr(cls, "model_validate") or hasattr(cls, "_member_map_")) and \
+                self.types.get(class_name(cls)) is not cls:
+            raise StateFormatError(f"it holds a {class_name(cls)}, a class not among types=; "
+                                   f"pass run_batch(..., types=[{cls.__qualname__}, ...]) so "
+                                   "that a resumed run rebuilds it (a class defined at a "
+                                   "module's top level)")
+        if isinstance(value, (list, tuple)):
+            for v in value:
+                self._given(v)
+        elif isinstance(value, dict):
+            for item in value.items():
+                self._given(item)
+
     # -- states ------------------------------------------------------------------------------
     def _encode_state(self, value: Any) -> Any:
         if not isinstance(value, SequenceState):
             raise StateFormatError(f"cannot store a value of type {type(value).__name__} "
                                    f"({value!r:.60}): results are JSON values, states, pydantic "
                                    "models, enums, tuples and dicts of those")
-        if _model_key(value.model) not in self.models:
+        if model_key(value.model) not in self.models:
             raise StateFormatError(f"the result holds a state of {value.model.name!r}, a model "
                                    "the program does not name (run_batch finds models among "
                                    "the names the program uses); use the model through a name "
                                    "the program reads")
         for row in value.rows:
             for span in row.spans:
-                _importable(span.value)
+                self._given(span.value)
         return {"$state": json.loads(value.dumps())}
 
-    def _decode_state(self, data: dict, classes: _Imported) -> Any:
-        if "$state" not in data:
-            raise StateFormatError(f"unknown tagged value {sorted(data)[:3]} in a checkpoint")
-        doc = read(json.dumps(data["$state"]).encode())
+    def _decode_state(self, data: dict, classes: _Given) -> Any:
+        doc = _state_doc(data)
         for model in self.models.values():
-            if tokenizer_id(model.vocab) == doc["tokenizer"] and model.name == doc["model"]:
-                rows, batch, samples = decode_rows(doc, Conversation, classes)
-                return SequenceState(model, tuple(rows), batch, samples)
+            if _belongs(doc, model):
+                return _state(doc, model, classes)
         raise StateFormatError("a stored state's model is not the program's")
 
 
-class _Imported:
-    """Classes by `class_name`, found among modules already imported (never importing one):
-    a stored pydantic result is re-validated into its class.  ``missing`` collects the names
-    not found."""
+class _Given:
+    """The classes given (``types=``) by `class_name`; ``missing`` collects the names asked
+    for and not given."""
 
-    def __init__(self) -> None:
-        self.missing: set[str] = set()
+    def __init__(self, types: dict[str, type]) -> None:
+        self.types, self.missing = types, set()
 
     def get(self, name: str) -> type | None:
-        module, _, qualname = name.partition(":")
-        found: Any = sys.modules.get(module)
-        for part in qualname.split("."):
-            found = getattr(found, part, None)
-        if isinstance(found, type):
-            return found
-        self.missing.add(name)
-        return None
+        if name not in self.types:
+            self.missing.add(name)
+        return self.types.get(name)
 
 
-def _importable(value: Any) -> None:
-    """Raise `StateFormatError` for a pydantic or enum value whose class a rerun cannot find."""
-    cls = type(value)
-    if (hasattr(cls, "model_validate") or hasattr(cls, "_member_map_")) and \
-            _Imported().get(class_name(cls)) is not cls:
-        raise StateFormatError(f"{class_name(cls)} is not reachable by its name (a class "
-                               "defined inside a function?), so a rerun could not rebuild it; "
-                               "define it at module level")
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            _importable(v)
-    elif isinstance(value, dict):
-        for item in value.items():
-            _importable(item)
+def _state_doc(data: dict) -> dict:
+    """The saved document of a stored state (`seqstate.persist`'s format, checked)."""
+    if "$state" not in data:
+        raise StateFormatError(f"unknown tagged value {sorted(data)[:3]} in a checkpoint")
+    return read(json.dumps(data["$state"]).encode())
 
 
-# -- identities ---------------------------------------------------------------------------------
-def program_id(program: Callable) -> str:
-    """The program's qualified name and a digest of its bytecode (and its constants'), of
-    the arguments partials bind and of its defaults."""
-    func, bound = program, []
-    while isinstance(func, functools.partial):
-        bound.append([func.args, func.keywords])
-        func = func.func
-    defaults = [getattr(func, "__defaults__", None), getattr(func, "__kwdefaults__", None)]
-    if any(defaults):
-        bound.append(defaults)
-    name = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}"
-    code = getattr(func, "__code__", None)
-    text = ("" if code is None else _code_text(code)) + (_bound_text(bound) if bound else "")
-    return f"{name}:{_digest(text)}" if text else name
+def _belongs(doc: dict, model: Any) -> bool:
+    return tokenizer_id(model.vocab) == doc["tokenizer"] and model.name == doc["model"]
 
 
-def _code_text(code: CodeType) -> str:
-    consts = [_const_text(c) for c in code.co_consts]
-    return code.co_code.hex() + "|" + "|".join(consts) + "|" + ",".join(code.co_names)
+def _state(doc: dict, model: Any, classes: Any) -> SequenceState:
+    rows, batch, samples = decode_rows(doc, Conversation, classes)
+    return SequenceState(model, tuple(rows), batch, samples)
 
 
-def _const_text(const: Any) -> str:
-    """A constant's text, the same in every process: a set literal's frozenset is written
-    sorted (its own order follows the process's string hashing)."""
-    if isinstance(const, CodeType):
-        return _code_text(const)
-    if isinstance(const, frozenset):
-        return "frozenset(" + ",".join(sorted(_const_text(c) for c in const)) + ")"
-    if isinstance(const, tuple):
-        return "(" + ",".join(_const_text(c) for c in const) + ")"
-    return repr(const)
+def _intact(rows: list[tuple]) -> list[tuple]:
+    """The stored rows whose data matches its digest (a torn write does not)."""
+    return [row for row in rows if hashlib.sha256(row[2]).hexdigest() == row[3]]
 
 
-def models_of(program: Callable) -> dict[str, Any]:
-    """The models a program uses, by key (name, engine, tokenizer): those it reads through
-    names (globals, closure cells, defaults, a partial's arguments), directly or as a
-    generator's model."""
-    seen: list[Any] = []
-    func = program
-    while isinstance(func, functools.partial):
-        seen += list(func.args) + list(func.keywords.values())
-        func = func.func
-    code = getattr(func, "__code__", None)
-    if code is not None:
-        names = set(code.co_names) | _nested_names(code)
-        globs = getattr(func, "__globals__", {})
-        seen += [globs[n] for n in names if n in globs]
-        seen += [c.cell_contents for c in (func.__closure__ or ()) if _filled(c)]
-        seen += list(func.__defaults__ or ())
-    models: dict[str, Any] = {}
-    for obj in seen:
-        model = obj if _is_model(obj) else getattr(obj, "model", None)
-        if _is_model(model):
-            models[_model_key(model)] = model
-    return models
+def _read_only(path: str | os.PathLike) -> str:
+    return pathlib.Path(path).resolve().as_uri() + "?mode=ro"
 
 
-def _nested_names(code: CodeType) -> set[str]:
-    return {n for c in code.co_consts if isinstance(c, CodeType)
-            for n in set(c.co_names) | _nested_names(c)}
-
-
-def _filled(cell: Any) -> bool:
+def _connect(target: str | os.PathLike, path: Any, uri: bool = False) -> sqlite3.Connection:
+    if os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {str(path)!r} is a directory; give the path of a "
+                              "file (in that directory: "
+                              f"{os.path.join(os.fspath(path), 'run.sqlite')!r})")
     try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
+        return sqlite3.connect(target, check_same_thread=False, isolation_level=None, uri=uri)
+    except sqlite3.Error as exc:
+        raise CheckpointError(f"cannot open checkpoint {str(path)!r} ({exc}); give the "
+                              "path of a checkpoint run_batch wrote, or a new file") from None
 
 
-def _is_model(obj: Any) -> bool:
-    return hasattr(obj, "vocab") and hasattr(obj, "runner") and hasattr(obj, "backend")
-
-
-def _model_key(model: Any) -> str:
-    return f"{model.name}|{model.engine}|{tokenizer_id(model.vocab)}"
-
-
-def _input_text(idx: int, value: Any) -> str:
-    """Input ``idx``'s data as JSON text, the same in every process; `CheckpointError` for a
-    value with no such text."""
+@contextlib.contextmanager
+def _sqlite_errors(path: Any, doing: str) -> Iterator[None]:
+    """SQLite's errors (a locked or full disk, a damaged file) as `CheckpointError`."""
     try:
-        return _stable_text(value)
-    except (StateFormatError, TypeError, ValueError):
-        raise CheckpointError(
-            f"input {idx} is a {type(value).__module__}.{type(value).__qualname__}, which a "
-            "checkpoint cannot identify across runs; inputs must be JSON values, states, "
-            "pydantic models, enums, dataclasses, bytes, or tuples, lists and dicts of those: "
-            "pass such data (an id, a path) and let the program look the object up") from None
+        yield
+    except sqlite3.Error as exc:
+        raise CheckpointError(f"cannot {doing} checkpoint {str(path)!r}: {exc}; give the "
+                              "path of a checkpoint run_batch wrote, or a new file, on a "
+                              "disk with room, that no other run is writing") from None
 
 
-def _bound_text(bound: Any) -> str:
-    """The data partials bind and defaults hold; a model, or an object of one (a
-    generator), by its model and type, and other objects by their type (as a global's
-    value is not part of the program's identity)."""
-    def other(value: Any) -> Any:
-        try:
-            return _stable(value)
-        except StateFormatError:
-            model = value if _is_model(value) else getattr(value, "model", None)
-            return {"$object": class_name(type(value)),
-                    "model": _model_key(model) if _is_model(model) else None}
-    return json.dumps(to_json(bound, other), sort_keys=True)
-
-
-def _stable_text(value: Any) -> str:
-    return json.dumps(to_json(value, _stable), sort_keys=True)
-
-
-def _stable(value: Any) -> Any:
-    """`to_json`'s encoder of states (by their saved form), dataclasses and bytes."""
-    if isinstance(value, SequenceState):
-        return {"$state": _digest(value.dumps().decode())}
-    if isinstance(value, bytes):
-        return {"$bytes": hashlib.sha256(value).hexdigest()}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {"$dataclass": class_name(type(value)),
-                "fields": {f.name: to_json(getattr(value, f.name), _stable)
-                           for f in dataclasses.fields(value)}}
-    raise StateFormatError(f"no stable encoding for a {type(value).__name__}")
-
-
-def _digest(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+def _hint(what: str, stored: str | None) -> str:
+    """What to do where the program or the format version differs."""
+    if what == "program" and stored is not None and stored.startswith("key:"):
+        return f" (it was named key={stored[4:]!r}: pass the same key= to resume)"
+    if what == "program":
+        return (" (a program is its name and source, unless run_batch(..., key=...) names it: "
+                "an edited program is another, see seqstate.checkpoint_identity)")
+    if what == "version":
+        return " (written by an older seqstate, which identified programs by their bytecode)"
+    return ""
 
 
 def _short(text: str | None) -> str:

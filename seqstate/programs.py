@@ -7,7 +7,7 @@ import contextlib
 import inspect
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -38,7 +38,8 @@ class BatchError(SeqStateError, RuntimeError):
 
 def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency: int = 16,
               progress: bool | None = None, return_exceptions: bool = True,
-              checkpoint: str | os.PathLike | None = None) -> list[T | BaseException]:
+              checkpoint: str | os.PathLike | None = None, key: str | None = None,
+              types: Iterable[type] = ()) -> list[T | BaseException]:
     """Run ``program(input)`` for every input, ``concurrency`` at a time; results in input order.
 
     ``program`` is plain Python that calls generators (any number, any kind, on states it
@@ -75,7 +76,17 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
         nor is anything once the run is interrupted.  Inputs must be data (JSON values,
         states, pydantic models, enums, dataclasses, bytes, or tuples, lists and dicts of
         those).  A checkpoint of another program, model or input list, or an input of another
-        type, is refused with `seqstate.CheckpointError` before anything runs.
+        type, is refused with `seqstate.CheckpointError` before anything runs;
+        ``ss.checkpoint_results(path)`` reads its results without the program.
+    key : str or None, default None
+        With ``checkpoint``: the program's name in it (such as ``"extract-v2"``), which then
+        decides alone whether a checkpoint is this program's (an edited program resumes
+        under the same key).  None: the program's qualified name and source text decide
+        (`seqstate.checkpoint_identity`).
+    types : iterable of classes, optional
+        With ``checkpoint``: the pydantic models and enums results hold (inside states too),
+        rebuilt into these classes when resumed; a result holding another such class stops
+        the run with `seqstate.CheckpointError`.
 
     Examples
     --------
@@ -88,50 +99,101 @@ def run_batch(program: Callable[[Any], T], inputs: Iterable[Any], *, concurrency
     >>> len(answers), all(a in ("yes", "no") for a in answers)
     (3, True)
     """
-    items = _inputs(program, inputs, concurrency, progress, return_exceptions)
-    results: list[Any] = [None] * len(items)
-    errors: dict[int, BaseException] = {}
-    lock = threading.Lock()
-    interrupt = threading.Event()
-    store, done = _resumed(checkpoint, program, items, results)
-    with progress_bar(progress, len(items), "seqstate", "input", call=False) as bar, \
-            contextlib.closing(store) if store is not None else contextlib.nullcontext():
-        _count_resumed(bar, done)
+    batch = _Batch(program, inputs, concurrency, progress, return_exceptions, checkpoint, key,
+                   types)
 
-        def one(i: int) -> None:
-            if interrupt.is_set():
-                return
-            try:
-                with quiet_calls(), interruptible(interrupt):
-                    results[i] = program(items[i])
-            except Exception as exc:                 # noqa: BLE001 - reported per input
-                with lock:
-                    results[i] = exc
-                    errors[i] = exc
-            else:
-                # once the run is interrupted, a result may be a program's stand-in for the
-                # call that raised Interrupted: a rerun runs the input again
-                if store is not None and not interrupt.is_set():
-                    store.put(i, results[i])         # CheckpointError: the run stops
-            if bar is not None:
-                bar.update(1)
+    def one(i: int) -> None:
+        if batch.interrupt.is_set():
+            return
+        try:
+            with quiet_calls(), interruptible(batch.interrupt):
+                result = program(batch.items[i])
+        except Exception as exc:                 # noqa: BLE001 - reported per input
+            batch.ended(i, exc)
+        else:
+            batch.ended(i, result)
 
-        pool = ThreadPoolExecutor(max_workers=min(concurrency, max(len(items), 1)),
+    with batch.running(progress):
+        pool = ThreadPoolExecutor(max_workers=min(concurrency, max(len(batch.items), 1)),
                                   thread_name_prefix="seqstate-run-batch")
         try:
-            for future in [pool.submit(one, i) for i in range(len(items)) if i not in done]:
+            for future in [pool.submit(one, i) for i in batch.todo]:
                 future.result()
         except BaseException:
             # Ctrl-C: start nothing new, and end the running programs' calls (each raises
             # Interrupted within a poll), so the wait below is short
-            interrupt.set()
+            batch.interrupt.set()
             pool.shutdown(wait=False, cancel_futures=True)
             raise
         finally:
             pool.shutdown(wait=True)
-    if errors and not return_exceptions:
-        raise BatchError(results, errors)
-    return results
+    return batch.outcome(return_exceptions)
+
+
+class _Batch:
+    """One run's inputs, results and errors, its checkpoint, progress bar and interrupt: what
+    `run_batch` and `arun_batch` share, their per-input bookkeeping in `ended`."""
+
+    def __init__(self, program: Callable, inputs: Iterable[Any], concurrency: int,
+                 progress: bool | None, return_exceptions: bool, checkpoint: Any,
+                 key: str | None, types: Iterable[type]) -> None:
+        self.items = _inputs(program, inputs, concurrency, progress, return_exceptions)
+        types = tuple(types)
+        if checkpoint is None and (key is not None or types):
+            raise ArgumentError("key= and types= name what a checkpoint holds; pass them "
+                                "with checkpoint=path")
+        if not all(isinstance(t, type) for t in types):
+            raise ArgumentError(f"types must be classes (pydantic models, enums), got "
+                                f"{types!r:.80}")
+        self.results: list[Any] = [None] * len(self.items)
+        self.errors: dict[int, BaseException] = {}
+        self.lock = threading.Lock()
+        # ends the calls of running programs (run on threads, which a cancelled task or a
+        # Ctrl-C leaves running)
+        self.interrupt = threading.Event()
+        self.store = None if checkpoint is None else Checkpoint(
+            checkpoint, program, self.items, key=key, types=types)
+        done = {} if self.store is None else self.store.finished()
+        for i, result in done.items():
+            self.results[i] = result
+        self.todo = [i for i in range(len(self.items)) if i not in done]
+        self.bar = None
+
+    @contextlib.contextmanager
+    def running(self, progress: bool | None) -> Iterator[None]:
+        """The block with the run's progress bar (resumed inputs counted at once); the
+        checkpoint closed when it ends."""
+        with progress_bar(progress, len(self.items), "seqstate", "input", call=False) as bar, \
+                contextlib.closing(self.store) if self.store is not None \
+                else contextlib.nullcontext():
+            self.bar = bar
+            resumed = len(self.items) - len(self.todo)
+            if bar is not None and resumed:
+                bar.update(resumed)
+                bar.refresh()
+            yield
+
+    def ended(self, i: int, outcome: Any) -> None:
+        """Input ``i``'s program returned ``outcome`` or raised it (an `Exception`): keep it,
+        store a result in the checkpoint, count it."""
+        with self.lock:
+            self.results[i] = outcome
+            if isinstance(outcome, Exception):
+                self.errors[i] = outcome
+        # once the run is interrupted, a result may be a program's stand-in for the call that
+        # raised Interrupted (or it swallowed its cancellation): a rerun runs the input again
+        if not isinstance(outcome, Exception) and self.store is not None \
+                and not self.interrupt.is_set():
+            self.store.put(i, outcome)               # CheckpointError: the run stops
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def outcome(self, return_exceptions: bool) -> list[Any]:
+        """The results in input order; `BatchError` where some failed and
+        ``return_exceptions`` is False."""
+        if self.errors and not return_exceptions:
+            raise BatchError(self.results, self.errors)
+        return self.results
 
 
 def _inputs(program: Callable, inputs: Iterable[Any], concurrency: int, progress: bool | None,
@@ -152,37 +214,19 @@ def _inputs(program: Callable, inputs: Iterable[Any], concurrency: int, progress
     return list(inputs)
 
 
-def _resumed(checkpoint: Any, program: Callable, items: list[Any], results: list[Any]
-             ) -> tuple[Checkpoint | None, dict[int, Any]]:
-    """The run's checkpoint (None without one) and the results it holds, by input index,
-    put in ``results``."""
-    if checkpoint is None:
-        return None, {}
-    store = Checkpoint(checkpoint, program, items)
-    done = store.finished()
-    for i, result in done.items():
-        results[i] = result
-    return store, done
-
-
-def _count_resumed(bar: Any, done: dict[int, Any]) -> None:
-    """The progress bar counts resumed inputs, and shows them at once."""
-    if bar is not None and done:
-        bar.update(len(done))
-        bar.refresh()
-
-
 async def arun_batch(program: Callable[[Any], Any], inputs: Iterable[Any], *,
                      concurrency: int = 16, progress: bool | None = None,
                      return_exceptions: bool = True,
-                     checkpoint: str | os.PathLike | None = None) -> list[Any]:
+                     checkpoint: str | os.PathLike | None = None, key: str | None = None,
+                     types: Iterable[type] = ()) -> list[Any]:
     """`run_batch` from a running event loop: ``await ss.arun_batch(program, inputs)``.
 
     ``program`` is an ``async def`` function of one input (its generator calls are
     ``await gen.acall(...)``: no thread per input), or a plain function (run on a thread,
     as `run_batch` runs it).  The same rules as `run_batch`: results in input order,
     ``concurrency`` programs in flight, a progress bar, a failed input's exception in its
-    place (or `BatchError` with ``return_exceptions=False``), ``checkpoint=``.  Cancelling
+    place (or `BatchError` with ``return_exceptions=False``), ``checkpoint=``,
+    ``key=`` and ``types=``.  Cancelling
     the awaiting task (or a timeout around it) ends every program still running within about
     a second, plain ones on threads too (their calls raise `seqstate.Interrupted` and their
     rows leave the batch).
@@ -199,44 +243,30 @@ async def arun_batch(program: Callable[[Any], Any], inputs: Iterable[Any], *,
     >>> all(a in ("yes", "no") for a in asyncio.run(batch))
     True
     """
-    items = _inputs(program, inputs, concurrency, progress, return_exceptions)
-    results: list[Any] = [None] * len(items)
-    errors: dict[int, BaseException] = {}
+    batch = _Batch(program, inputs, concurrency, progress, return_exceptions, checkpoint, key,
+                   types)
     gate = asyncio.Semaphore(concurrency)
-    # ends the calls of plain programs (run on threads, which a cancelled task leaves running)
-    interrupt = threading.Event()
-    store, done = _resumed(checkpoint, program, items, results)
-    with progress_bar(progress, len(items), "seqstate", "input", call=False) as bar, \
-            contextlib.closing(store) if store is not None else contextlib.nullcontext():
-        _count_resumed(bar, done)
 
-        async def one(i: int) -> None:
-            async with gate:
-                try:
-                    with quiet_calls(), interruptible(interrupt):
-                        if inspect.iscoroutinefunction(program):
-                            out = await program(items[i])
-                        else:
-                            out = await asyncio.to_thread(program, items[i])
-                        results[i] = await out if inspect.isawaitable(out) else out
-                except Exception as exc:                 # noqa: BLE001 - reported per input
-                    results[i] = exc
-                    errors[i] = exc
-                else:
-                    # as in run_batch: nothing is kept once the run is interrupted (the store
-                    # is closed then too, where a program swallowed its cancellation)
-                    if store is not None and not interrupt.is_set():
-                        store.put(i, results[i])     # CheckpointError: the run stops
-            if bar is not None:
-                bar.update(1)
+    async def one(i: int) -> None:
+        async with gate:
+            try:
+                with quiet_calls(), interruptible(batch.interrupt):
+                    if inspect.iscoroutinefunction(program):
+                        out = await program(batch.items[i])
+                    else:
+                        out = await asyncio.to_thread(program, batch.items[i])
+                    result = await out if inspect.isawaitable(out) else out
+            except Exception as exc:                 # noqa: BLE001 - reported per input
+                batch.ended(i, exc)
+            else:
+                batch.ended(i, result)
 
-        tasks = [asyncio.ensure_future(one(i)) for i in range(len(items)) if i not in done]
+    with batch.running(progress):
+        tasks = [asyncio.ensure_future(one(i)) for i in batch.todo]
         try:
             await asyncio.gather(*tasks)
         finally:
-            interrupt.set()
+            batch.interrupt.set()
             for task in tasks:
                 task.cancel()
-    if errors and not return_exceptions:
-        raise BatchError(results, errors)
-    return results
+    return batch.outcome(return_exceptions)

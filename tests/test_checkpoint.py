@@ -5,6 +5,7 @@ import dataclasses
 import enum
 import functools
 import json
+import linecache
 import os
 import pathlib
 import signal
@@ -32,6 +33,9 @@ class Colour(enum.Enum):
 class Pet(pydantic.BaseModel):
     name: str
     legs: int
+
+
+TYPES = (Colour, Pet)           # the classes counted's results hold
 
 
 def _count(path) -> int:
@@ -80,9 +84,9 @@ def counted(tiny):
 def test_rerun_returns_stored_results_without_calling_the_program(tmp_path, counted):
     program, calls = counted
     path = tmp_path / "run.sqlite"
-    first = ss.run_batch(program, range(5), checkpoint=path, progress=False)
+    first = ss.run_batch(program, range(5), checkpoint=path, progress=False, types=TYPES)
     assert len(calls) == 5
-    again = ss.run_batch(program, range(5), checkpoint=path, progress=False)
+    again = ss.run_batch(program, range(5), checkpoint=path, progress=False, types=TYPES)
     assert len(calls) == 5
     for a, b in zip(first, again):
         assert b["x"] == a["x"] and b["pair"] == a["pair"] and b["colour"] is Colour.RED
@@ -95,10 +99,10 @@ def test_rerun_returns_stored_results_without_calling_the_program(tmp_path, coun
 def test_torn_last_write_is_run_again(tmp_path, counted):
     program, calls = counted
     path = tmp_path / "run.sqlite"
-    first = ss.run_batch(program, range(4), checkpoint=path, progress=False)
+    first = ss.run_batch(program, range(4), checkpoint=path, progress=False, types=TYPES)
     with sqlite3.connect(path) as db:       # the last result's bytes cut short
         db.execute("UPDATE results SET data = substr(data, 1, 20) WHERE idx = 3")
-    again = ss.run_batch(program, range(4), checkpoint=path, progress=False)
+    again = ss.run_batch(program, range(4), checkpoint=path, progress=False, types=TYPES)
     assert calls == [0, 1, 2, 3, 3] or sorted(calls) == [0, 1, 2, 3, 3]
     assert [r["state"].token_ids for r in again] == [r["state"].token_ids for r in first]
 
@@ -130,9 +134,9 @@ def _triple(x):
 def test_a_checkpoint_of_another_run_is_refused(tmp_path, counted):
     program, calls = counted
     path = tmp_path / "run.sqlite"
-    ss.run_batch(program, range(3), checkpoint=path, progress=False)
+    ss.run_batch(program, range(3), checkpoint=path, progress=False, types=TYPES)
     with pytest.raises(ss.CheckpointError, match="input list"):
-        ss.run_batch(program, range(4), checkpoint=path, progress=False)
+        ss.run_batch(program, range(4), checkpoint=path, progress=False, types=TYPES)
     with pytest.raises(ss.CheckpointError, match="program"):
         ss.run_batch(_double, range(3), checkpoint=path, progress=False)
     assert len(calls) == 3
@@ -176,12 +180,13 @@ def test_a_result_that_cannot_be_stored_stops_the_run_at_the_first(tmp_path, tin
 def test_progress_counts_resumed_inputs(tmp_path, capsys, counted):
     program, calls = counted
     path = tmp_path / "run.sqlite"
-    ss.run_batch(program, range(3), checkpoint=path, progress=False)
-    ss.run_batch(program, range(5), checkpoint=tmp_path / "other.sqlite", progress=False)
+    other = tmp_path / "other.sqlite"
+    ss.run_batch(program, range(3), checkpoint=path, progress=False, types=TYPES)
+    ss.run_batch(program, range(5), checkpoint=other, progress=False, types=TYPES)
     capsys.readouterr()
-    with sqlite3.connect(tmp_path / "other.sqlite") as db:
+    with sqlite3.connect(other) as db:
         db.execute("DELETE FROM results WHERE idx >= 3")
-    ss.run_batch(program, range(5), checkpoint=tmp_path / "other.sqlite", progress=True)
+    ss.run_batch(program, range(5), checkpoint=other, progress=True, types=TYPES)
     err = capsys.readouterr().err
     assert "5/5" in err and "3/5" in err
 
@@ -204,34 +209,98 @@ def test_arun_batch_resumes_from_a_checkpoint(tmp_path, tiny):
     assert again == first and len(calls) == 2
 
 
-# -- identities are stable across processes, and tell runs apart ---------------------------------
-_ID_CHILD = """
-import sys
-from seqstate.checkpoint import program_id
-
-def program(x):
-    return x in {"yes", "no", "maybe", "perhaps", "never", "always"}
-
-def edited(x):
-    return x in {"yes", "no", "maybe", "perhaps", "never", "often"}
-
-edited.__name__ = edited.__qualname__ = "program"
-print(program_id(program), program_id(edited), repr(program.__code__.co_consts[-1]))
-"""
+# -- a program is its name and source, or the key the user gives --------------------------------
+_MODULE = '''
+def extract(x):
+    """Extract."""
+    assert x >= 0
+    CALLS.append(x)
+    return {"x": x, "double": 2 * x}
+'''
 
 
-def test_a_set_literal_gives_the_same_program_id_in_every_process():
-    # string hashing, so a frozenset constant's own order, differs between these processes
-    seen = []
-    for seed in ("1", "2"):
-        env = dict(os.environ, PYTHONPATH=str(CHILD.parents[2]), PYTHONHASHSEED=seed)
-        out = subprocess.run([sys.executable, "-c", _ID_CHILD], env=env, capture_output=True,
-                             text=True, timeout=300, check=True)
-        seen.append(out.stdout.split(" ", 2))
-    (id1, edited1, order1), (id2, edited2, order2) = seen
-    assert order1 != order2, "the seeds gave one set order; the test needs two"
-    assert id1 == id2 and edited1 == edited2
-    assert id1 != edited1                     # a changed literal is another program
+def _load(tmp_path, source: str, name: str, optimize: int = 0, calls=None):
+    """``extract`` of a module file holding ``source``, compiled with ``optimize``; it
+    appends its inputs to ``calls``."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    linecache.checkcache(str(path))
+    space = {"__name__": "checkpointed_program", "CALLS": [] if calls is None else calls}
+    exec(compile(source, str(path), "exec", optimize=optimize), space)
+    return space["extract"]
+
+
+def test_a_program_compiled_to_other_bytecode_from_the_same_source_resumes(tmp_path):
+    calls = []
+    first = _load(tmp_path, _MODULE, "program", calls=calls)
+    # another bytecode of the same source file, as another Python version compiles it
+    other = _load(tmp_path, _MODULE, "program", optimize=2, calls=calls)
+    assert first.__code__.co_code != other.__code__.co_code
+    path = tmp_path / "run.sqlite"
+    want = ss.run_batch(first, range(3), checkpoint=path, progress=False)
+    assert ss.run_batch(other, range(3), checkpoint=path, progress=False) == want
+    assert calls == [0, 1, 2]               # the rerun called nothing
+    # an edited source is another program
+    edited = _load(tmp_path, _MODULE.replace("2 * x", "x + x"), "program")
+    with pytest.raises(ss.CheckpointError, match=r"program differs.*name and source.*"
+                                                 r"ss\.checkpoint_results"):
+        ss.run_batch(edited, range(3), checkpoint=path, progress=False)
+
+
+def test_a_key_decides_what_program_a_checkpoint_belongs_to(tmp_path):
+    calls = []
+    path = tmp_path / "run.sqlite"
+
+    def named(source, name):
+        return _load(tmp_path, source, name, calls=calls)
+
+    first = ss.run_batch(named(_MODULE, "v1"), range(3), checkpoint=path, key="extract-v2",
+                         progress=False)
+    # an edit of the docstring only (or of anything: the key decides) resumes under the key
+    documented = _MODULE.replace('"""Extract."""', '"""Extract x and its double."""')
+    assert ss.run_batch(named(documented, "v2"), range(3), checkpoint=path,
+                        key="extract-v2", progress=False) == first
+    assert calls == [0, 1, 2]
+    with pytest.raises(ss.CheckpointError, match=r"program differs.*'key:extract-v3'"):
+        ss.run_batch(named(documented, "v2"), range(3), checkpoint=path, key="extract-v3",
+                     progress=False)
+    with pytest.raises(ss.CheckpointError, match=r"named key='extract-v2'"):
+        ss.run_batch(named(documented, "v2"), range(3), checkpoint=path, progress=False)
+    assert calls == [0, 1, 2]
+    # the models and the input list still count
+    with pytest.raises(ss.CheckpointError, match="input list"):
+        ss.run_batch(named(documented, "v2"), range(4), checkpoint=path, key="extract-v2",
+                     progress=False)
+    with pytest.raises(ss.ArgumentError, match="key must be a non-empty string"):
+        ss.run_batch(_double, range(3), checkpoint=path, key="", progress=False)
+    with pytest.raises(ss.ArgumentError, match="with checkpoint=path"):
+        ss.run_batch(_double, range(3), key="extract-v2", progress=False)
+
+
+def test_a_checkpoints_results_read_without_its_program(tmp_path, counted, tiny):
+    program, calls = counted
+    path = tmp_path / "run.sqlite"
+    first = ss.run_batch(program, range(3), checkpoint=path, progress=False, types=TYPES)
+    with pytest.raises(ss.CheckpointError, match="ss.checkpoint_results"):
+        ss.run_batch(_double, range(3), checkpoint=path, progress=False)
+    # without the model and classes: saved states and the classes' JSON
+    bare = ss.checkpoint_results(path)
+    assert sorted(bare) == [0, 1, 2]
+    assert bare[1]["x"] == 1 and bare[1]["colour"] == "red"
+    assert bare[1]["pet"] == first[1]["pet"].model_dump()
+    saved = bare[1]["state"]
+    assert isinstance(saved, ss.SavedState)
+    assert ss.loads(tiny, saved).token_ids == first[1]["state"].token_ids
+    # with them: the results as the run returned them
+    full = ss.checkpoint_results(path, models=[tiny], types=TYPES)
+    assert [full[i] for i in range(3)] == first
+    with pytest.raises(ss.CheckpointError, match="no checkpoint file"):
+        ss.checkpoint_results(tmp_path / "missing.sqlite")
+
+
+def test_a_checkpoint_path_that_is_a_directory_is_refused_clearly(tmp_path):
+    with pytest.raises(ss.CheckpointError, match=r"is a directory.*run\.sqlite"):
+        ss.run_batch(_double, range(3), checkpoint=tmp_path, progress=False)
 
 
 def _tokens_program(state):
@@ -302,8 +371,8 @@ def test_resumed_states_rebuild_their_values_classes(tmp_path, tiny):
         return colour(f"Colour {x}: ")
 
     path = tmp_path / "run.sqlite"
-    first = ss.run_batch(program, range(3), checkpoint=path, progress=False)
-    again = ss.run_batch(program, range(3), checkpoint=path, progress=False)
+    first = ss.run_batch(program, range(3), checkpoint=path, progress=False, types=[Colour])
+    again = ss.run_batch(program, range(3), checkpoint=path, progress=False, types=[Colour])
     assert all(isinstance(s.value, Colour) for s in first)
     assert [s.value for s in again] == [s.value for s in first]
 
@@ -317,14 +386,17 @@ def test_a_result_of_a_class_a_rerun_cannot_find_is_refused(tmp_path):
                      progress=False)
 
 
-def test_a_resumed_class_that_is_not_imported_is_named(tmp_path, monkeypatch):
+def test_classes_are_rebuilt_only_from_types(tmp_path):
     def program(x):
         return [Pet(name="cat", legs=x)]
 
     path = tmp_path / "run.sqlite"
-    ss.run_batch(program, [4], checkpoint=path, progress=False)
-    monkeypatch.delattr(sys.modules[__name__], "Pet")
-    with pytest.raises(ss.CheckpointError, match=r"test_checkpoint:Pet.*import their modules"):
+    with pytest.raises(ss.CheckpointError, match=r"input 0 cannot be stored.*types=\[Pet"):
+        ss.run_batch(program, [4], checkpoint=path, progress=False)
+    first = ss.run_batch(program, [4], checkpoint=path, progress=False, types=[Pet])
+    assert ss.run_batch(program, [4], checkpoint=path, progress=False, types=[Pet]) == first
+    with pytest.raises(ss.CheckpointError, match=r"test_checkpoint:Pet, classes not among "
+                                                 r"types="):
         ss.run_batch(program, [4], checkpoint=path, progress=False)
 
 

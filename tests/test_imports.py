@@ -40,7 +40,8 @@ LAYERS = [
                 "seqstate.persist", "seqstate.state", "seqstate.activations"]),
     ("generation", ["seqstate.call", "seqstate.generation", "seqstate.conversation",
                     "seqstate.restore"]),
-    ("public surface", ["seqstate", "seqstate.programs", "seqstate.checkpoint", "seqstate.demo",
+    ("public surface", ["seqstate", "seqstate.programs", "seqstate.checkpoint",
+                        "seqstate.checkpoint_identity", "seqstate.demo",
                         "seqstate.__main__"]),
 ]
 
