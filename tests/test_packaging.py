@@ -25,10 +25,11 @@ def declared() -> dict[str, str]:
     """Each dependency's declared lower bound (extras included)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    specs = list(project["dependencies"]) + extras["llama-cpp"] + extras["lm-eval"]
+    specs = (list(project["dependencies"]) + extras["llama-cpp"] + extras["lm-eval"]
+             + extras["ray"])
     bounds = {}
     for spec in specs:
-        m = re.match(r"([A-Za-z0-9_.-]+)\s*>=\s*([^,\s]+)", spec)
+        m = re.match(r"([A-Za-z0-9_.-]+)(?:\[[^]]*\])?\s*>=\s*([^,\s]+)", spec)
         assert m, f"{spec!r} declares no lower bound"
         bounds[m.group(1).lower()] = m.group(2)
     return bounds
