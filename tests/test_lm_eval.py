@@ -15,6 +15,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -228,6 +229,20 @@ def test_arguments_are_checked():
         SeqStateLM(model=object(), path="x")
 
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LOCAL_TASK = ROOT / "docs" / "tutorials" / "lm-eval-task"
+
+
+def offline_env(tmp_path) -> dict[str, str]:
+    return os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                         "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "ds"),
+                         "TOKENIZERS_PARALLELISM": "false"}
+
+
+def logged(folder: pathlib.Path, name: str) -> list[pathlib.Path]:
+    return sorted(folder.rglob(f"{name}_*.json*"))
+
+
 TASK = """task: tiny_arc
 dataset_path: json
 dataset_kwargs:
@@ -256,9 +271,7 @@ def test_command_line_end_to_end(tiny, tmp_path):
     (tmp_path / "tasks" / "tiny_arc.yaml").write_text(TASK.format(docs=tmp_path / "docs.jsonl"))
     tiny.hf_model.save_pretrained(tmp_path / "model")
     tiny.hf_tokenizer.save_pretrained(tmp_path / "model")
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                        "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "ds"),
-                        "TOKENIZERS_PARALLELISM": "false"}
+    env = offline_env(tmp_path)
     script = pathlib.Path(sys.executable).parent / "seqstate-lm-eval"
     run = subprocess.run(
         [str(script), "--model", "seqstate", "--model_args", f"path={tmp_path / 'model'}",
@@ -291,3 +304,96 @@ def test_python_dash_m_registers_the_model(tmp_path):
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
                          timeout=120, env=os.environ | {"HF_HUB_OFFLINE": "1"})
     assert out.stdout.split() == ["SeqStateLM", "HFLM"], out.stderr[-2000:]
+
+
+@pytest.mark.real
+def test_two_processes_under_torchrun_split_the_task(real, tmp_path, monkeypatch):
+    """The docs' CPU command, ``torchrun --nproc_per_node 2 -m seqstate.lm_eval``, on the
+    shipped offline task: each rank scores its own half of the requests, rank 0 writes the one
+    results file, and the metrics and log-likelihoods are one process's (``simple_evaluate``
+    here on the same model)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "--log-dir", str(logs), "--redirects", "3",
+         "-m", "seqstate.lm_eval", "--model", "seqstate", "--tasks", "offline_qa",
+         "--include_path", str(LOCAL_TASK), "--output_path", str(out), "--log_samples"],
+        cwd=ROOT, env=offline_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    questions = len((LOCAL_TASK / "questions.jsonl").read_text().splitlines())
+    for rank in (0, 1):                                  # each rank's own stderr
+        (err,) = logs.rglob(f"attempt_0/{rank}/stderr.log")
+        text = err.read_text()
+        assert f"Building contexts for offline_qa on rank {rank}" in text
+        scored = re.findall(r"Running loglikelihood requests: 100%\S* *\| *(\d+)/\d+", text)
+        assert scored == [str(questions * 4 // 2)]        # four answers a question, half each
+
+    assert len(logged(out, "results")) == 1 and len(logged(out, "samples_offline_qa")) == 1
+    results = json.loads(logged(out, "results")[0].read_text())["results"]["offline_qa"]
+    samples = [json.loads(line) for line in
+               logged(out, "samples_offline_qa")[0].read_text().splitlines()]
+    # gathered in rank order: rank 0 answered the even questions, rank 1 the odd ones
+    assert [s["doc_id"] for s in samples] == [*range(0, questions, 2), *range(1, questions, 2)]
+
+    monkeypatch.chdir(ROOT)                              # the task's data_files is relative
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "ds"))
+    lm = SeqStateLM(model=real)
+    one = lm_eval.simple_evaluate(
+        model=lm, tasks=["offline_qa"], log_samples=True,
+        task_manager=TaskManager(include_path=str(LOCAL_TASK), include_defaults=False))
+    expected = one["results"]["offline_qa"]
+    for metric in ("acc,none", "acc_norm,none"):
+        assert results[metric] == expected[metric]
+    reference = {s["doc_id"]: s for s in one["samples"]["offline_qa"]}
+    for sample in samples:
+        want = reference[sample["doc_id"]]
+        instances = [Instance("loglikelihood", {}, tuple(a), 0) for a in want["arguments"]]
+        assert_loglikelihoods(lm, instances, [float(r[0][0]) for r in want["resps"]],
+                              [float(r[0][0]) for r in sample["resps"]])
+
+
+def test_launcher_environment_is_checked(monkeypatch):
+    """A data-parallel launch of engine=vllm is refused before any connection (one server
+    batches every client); a broken launcher environment is refused too."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(ss.ArgumentError, match="engine=vllm.*already batches"):
+        SeqStateLM(engine="vllm", url="http://127.0.0.1:1")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ss.ArgumentError, match="RANK=2, WORLD_SIZE=2"):
+        SeqStateLM(engine="vllm", url="http://127.0.0.1:1")
+    monkeypatch.setenv("RANK", "one")
+    with pytest.raises(ss.ArgumentError, match="integers"):
+        SeqStateLM(engine="vllm", url="http://127.0.0.1:1")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(ss.ArgumentError, match="MASTER_ADDR.*torchrun"):
+        SeqStateLM(path="no-such-model-folder")           # refused before any loading
+
+
+def test_a_single_process_is_rank_0_of_1(tiny, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    lm = SeqStateLM(model=tiny)
+    assert (lm.rank, lm.world_size, lm.device) == (0, 1, tiny.device)
+    count = torch.tensor(3)
+    assert lm.all_gather(count) is count and lm.gather_object("x") == ["x"]
+
+
+def test_the_page_shows_the_shipped_task():
+    """lm-eval.md's YAML block is the shipped task file (less its comments), and its JSON
+    example is one of the shipped questions."""
+    page = (ROOT / "docs" / "tutorials" / "lm-eval.md").read_text()
+    blocks = re.findall(r"```(yaml|json)\n(.*?)```", page, re.S)
+    shipped = (LOCAL_TASK / "offline_qa.yaml").read_text()
+    assert blocks[0][1] == "".join(line for line in shipped.splitlines(keepends=True)
+                                   if not line.startswith("#"))
+    questions = [json.loads(line) for line in
+                 (LOCAL_TASK / "questions.jsonl").read_text().splitlines()]
+    assert json.loads(blocks[1][1]) in questions

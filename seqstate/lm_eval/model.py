@@ -7,14 +7,21 @@ requests are grouped by context: one state row per distinct context and one
 answers are teacher-forced behind it.  Tokenisation follows lm-eval's HF backend exactly
 (`TemplateLM._encode_pair`, the prefix token for an empty context, left truncation), so the
 same `Instance` gives the same tokens, and log-likelihoods equal to fp32 noise.
+
+Under a data-parallel launch (``torchrun --nproc_per_node N``, ``accelerate launch``) each
+process is one rank: it builds its own model, lm-eval hands it its share of the instances,
+and the ranks meet through torch.distributed (gloo on the CPU, NCCL on CUDA) to gather the
+answers on rank 0, which alone writes the results.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 import lm_eval.models  # noqa: F401  (lm-eval's lazy model table, filled before ours joins it)
@@ -72,12 +79,21 @@ class SeqStateLM(TemplateLM):
         server's device).  With ``model=``, it must name
         the device that model is on.  ``seqstate-lm-eval`` passes ``cpu`` unless
         ``--device`` says otherwise (lm-eval's own default is ``cuda:0``).
+        Under a data-parallel launch a CUDA device means each rank's own, ``cuda:LOCAL_RANK``.
     batch_size, max_batch_size :
         Accepted and ignored: lm-eval's command line always passes them, while the engine
         packs rows under its own token budget.
     **engine_options :
         Passed to the model loader (``n_ctx``, ``n_threads``, ``n_seq_max`` for llama.cpp;
         ``url``, ``api_key``, ``ca_certs``, ``timeout`` for vllm).
+
+    Notes
+    -----
+    The rank and the number of processes come from the launcher's environment (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, as torchrun and ``accelerate launch`` set them); with
+    ``WORLD_SIZE`` above 1 a process group is started unless one exists.  The ``vllm`` engine
+    is refused there (`seqstate.ArgumentError`): one server already batches every client's
+    requests, so more client processes add no device.
 
     Examples
     --------
@@ -101,6 +117,16 @@ class SeqStateLM(TemplateLM):
         if path is not None and pretrained is not None:
             raise ArgumentError("give the model's location once: path=... or pretrained=...")
         path = path if path is not None else pretrained
+        rank, world_size, local_rank = _launch()
+        if world_size > 1:
+            if engine == "vllm" or getattr(model, "engine", None) == "vllm":
+                raise ArgumentError(
+                    f"a data-parallel launch (WORLD_SIZE={world_size}) of engine=vllm only adds "
+                    "clients: the server already batches every client's requests, and one "
+                    "process keeps it busy (raise concurrency=... for generation).  Run one "
+                    "process; for more devices, serve more (vLLM's --data-parallel-size, or a "
+                    "fleet behind a router)")
+            device = _rank_device(device, local_rank)
         if model is None:
             model = _load(engine, path, dtype, device, engine_options)
         elif path is not None or engine_options:
@@ -119,6 +145,33 @@ class SeqStateLM(TemplateLM):
         self.concurrency = concurrency
         self.seed = seed
         self._max_length = max_length
+        self._rank, self._world_size, self._device = rank, world_size, model.device
+        if world_size > 1:
+            _join(rank, world_size, self._device)
+
+    # -- data parallel: what lm-eval's evaluator calls when world_size > 1 --------------------
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated in rank order (a 0-d tensor counts as one
+        element), as accelerate's ``gather``."""
+        if self.world_size == 1:
+            return tensor
+        tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor)
+        return torch.cat(parts)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's ``obj`` in rank order on rank ``dst``; None on the others."""
+        if self.world_size == 1:
+            return [obj]
+        gathered = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, gathered, dst=dst)
+        return gathered
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        if self.world_size > 1:
+            dist.barrier()
 
     # -- what lm-eval asks of a model --------------------------------------------------------
     @property
@@ -274,6 +327,52 @@ def _chunks(contexts: list[tuple[int, ...]], by_context: dict[tuple[int, ...], l
             run, count = [], 0
     if run:
         yield run
+
+
+def _launch() -> tuple[int, int, int]:
+    """This process's ``(rank, world size, local rank)`` from the launcher's environment
+    (torchrun, ``accelerate launch``); ``(0, 1, 0)`` without one.  Checked before any model
+    is built: a process group about to start needs ``MASTER_ADDR`` and ``MASTER_PORT``."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    try:
+        rank, world_size, local_rank = (int(os.environ.get(n, d)) for n, d in
+                                        zip(names, ("0", "1", os.environ.get("RANK", "0"))))
+    except ValueError as exc:
+        raise ArgumentError(f"RANK, WORLD_SIZE and LOCAL_RANK must be integers, got "
+                            f"{[os.environ.get(n) for n in names]}") from exc
+    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        raise ArgumentError(f"RANK={rank}, WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}: "
+                            "need WORLD_SIZE >= 1 and 0 <= RANK < WORLD_SIZE (launch with "
+                            "torchrun or accelerate launch, which set them)")
+    if world_size > 1 and dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+            raise ArgumentError(f"a process group of rank {dist.get_rank()} of "
+                                f"{dist.get_world_size()} exists, but the launcher says rank "
+                                f"{rank} of {world_size}")
+    elif world_size > 1:
+        missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if n not in os.environ]
+        if missing:
+            raise ArgumentError(f"WORLD_SIZE={world_size} but {' and '.join(missing)} not "
+                                "set: launch with torchrun or accelerate launch, which set them")
+    return rank, world_size, local_rank
+
+
+def _rank_device(device: str | None, local_rank: int) -> str | None:
+    """``device`` for this rank: a CUDA device becomes the rank's own, ``cuda:LOCAL_RANK``."""
+    if device is not None and str(device).startswith("cuda"):
+        return f"cuda:{local_rank}"
+    return device
+
+
+def _join(rank: int, world_size: int, device: torch.device) -> None:
+    """Start this rank's process group (NCCL for CUDA, gloo otherwise) unless one exists."""
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
 
 
 def _load(engine: str, path: str | None, dtype: str, device: str | None,
