@@ -470,3 +470,5 @@ def test_requests_carry_the_lineage_key_in_the_session_header_or_none():
     keys = [seen.get(SESSION_HEADER) for seen in server.seen]
     assert keys[0] and keys[:3] == [keys[0]] * 3
     assert keys[3] and keys[3] != keys[0] and keys[4] is None
+    with pytest.raises(ss.ArgumentError, match="session_header"):    # before any request
+        ss.models.vllm(f"http://127.0.0.1:{free_port()}", session_header="X Session")

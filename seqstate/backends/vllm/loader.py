@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from seqstate.backends.vllm.model import VllmModel
+from seqstate.backends.vllm.pool import SESSION_HEADER
 
 __all__ = ["vllm"]
 
@@ -14,7 +15,7 @@ __all__ = ["vllm"]
 def vllm(url: str | Sequence[str], *, model: str | None = None, tokenizer: Any = None,
          timeout: float = 600.0, name: str | None = None, api_key: str | None = None,
          ca_certs: str | os.PathLike | None = None, data_parallel_size: int | None = None,
-         spill: int | None = None, session_header: str | None = "X-Session-ID") -> VllmModel:
+         spill: int | None = None, session_header: str | None = SESSION_HEADER) -> VllmModel:
     """A model on a vLLM server running seqstate's plugin (start one on loopback with
     ``python -m seqstate.vllm serve``): the ``"vllm"`` engine.
 
