@@ -11,6 +11,7 @@ import pytest
 
 from seqstate.backends.vllm.pool import SESSION_HEADER
 from seqstate.errors import ArgumentError, ModelNotAvailable
+from seqstate.backends.vllm.serve import main, parser
 from seqstate.vllm import Router
 
 from test_vllm_routing import _backend, _complete, _stand_ins, _tokens
@@ -71,3 +72,11 @@ def test_a_router_is_refused_bad_urls_and_policies_before_it_starts(router_ready
     assert command[command.index("--policy") + 1] == "cache_aware"
     assert command[command.index("--retry-max-retries") + 1] == "2"
     assert "--disable-circuit-breaker" in command and "--prometheus-port" in command
+
+
+def test_the_command_line_starts_a_router_and_reports_a_bad_one(router_ready, capsys):
+    args = parser().parse_args(["router", "http://a:1", "http://b:1", "--policy",
+                                "cache_aware", "--port", "9000"])
+    assert (args.urls, args.policy, args.port) == (["http://a:1", "http://b:1"],
+                                                   "cache_aware", 9000)
+    assert main(["router", "a:1"]) == 2 and "URLs" in capsys.readouterr().err
