@@ -2,15 +2,15 @@
 
 A model cannot travel to another process, so nothing here sends one: ``model`` is a
 zero-argument factory and ``make(model)`` returns the program, and both run on each worker
-(a Ray actor), which builds its model once.  Workers run their inputs with `ss.run_batch
-<seqstate.programs.run_batch>`, so the calls of their programs share decode steps as they do
-in one process.  Install with ``pip install "seqstate[ray]"``.
+(a Ray actor), which builds its model once.  Workers run their inputs with ``ss.run_batch``,
+so the calls of their programs share decode steps as they do in one process.  Install with
+``pip install "seqstate[ray]"``.
 
 What a program returns travels back to the driver in a pickle: plain values, pydantic models,
-enums and the like as they are; a state as `ss.SavedState <seqstate.persist.SavedState>` (its
-saved bytes: ``ss.loads(model, saved)`` binds it to a model of the same tokenizer).  A result
-that holds a model, or another object that cannot be pickled, is replaced by
-`seqstate.ArgumentError` in its place, as a failed input.
+enums and the like as they are; a state as ``ss.SavedState`` (its saved bytes:
+``ss.loads(model, saved)`` binds it to a model of the same tokenizer).  A result that holds a
+model, or another object that cannot be pickled, is replaced by `seqstate.ArgumentError` in
+its place, as a failed input.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from seqstate.checkpoint import _is_model
+from seqstate.checkpoint_identity import is_model
 from seqstate.errors import ArgumentError, EngineError, SeqStateError
 from seqstate.programs import BatchError, _inputs
 from seqstate.programs import run_batch as _run_batch
@@ -44,7 +44,8 @@ _RESTARTS = 3
 
 def run_batch(make: Callable[[Any], Callable[[Any], Any]], inputs: Iterable[Any], *,
               model: Callable[[], Any], workers: int | None = None,
-              checkpoint: str | os.PathLike | None = None, concurrency: int = 16,
+              checkpoint: str | os.PathLike | None = None, key: str | None = None,
+              types: Iterable[type] = (), concurrency: int = 16,
               progress: bool | None = None, return_exceptions: bool = True,
               **ray_options: Any) -> list[Any]:
     """Run ``make(model())(input)`` for every input on Ray workers; results in input order.
@@ -56,10 +57,11 @@ def run_batch(make: Callable[[Any], Callable[[Any], Any]], inputs: Iterable[Any]
 
     A worker that dies (its process killed, its node lost) is restarted by Ray, which builds
     its model again and sends it the chunks it was running: their inputs run again (those a
-    checkpoint holds do not), and the results come back whole.  A worker that dies
-    `_RESTARTS` times ends the run with `seqstate.EngineError`.  A factory that raises on a
-    worker, a ``make`` that returns no function, or a checkpoint of another run ends the run
-    with that error, raised here; so does Ctrl-C.  Either way the run's actors are killed.
+    checkpoint holds do not), and the results come back whole.  A worker that dies three
+    times (``max_restarts``) ends the run with `seqstate.EngineError`.  A factory that raises
+    on a worker, a ``make`` that returns no function, or a checkpoint of another run ends the
+    run with that error, raised here; so does Ctrl-C.  Either way the run's actors are
+    killed.
 
     Parameters
     ----------
@@ -79,6 +81,13 @@ def run_batch(make: Callable[[Any], Callable[[Any], Any]], inputs: Iterable[Any]
         `seqstate.checkpoint` file of its own, named by the chunk's inputs; run again with
         the same folder, finished inputs get their stored results and no program is called
         for them.  The results must be what a checkpoint stores (see ``ss.run_batch``).
+    key : str, optional
+        With ``checkpoint``: the program's name in the checkpoint files (``ss.run_batch``'s
+        ``key``).  Without it a worker reads the program's source (``inspect.getsource``),
+        which a function defined in a notebook or an interactive prompt has not there.
+    types : iterable of classes, optional
+        With ``checkpoint``: the pydantic models and enums results hold (``ss.run_batch``'s
+        ``types``).
     concurrency : int, default 16
         Programs in flight on each worker (split between the two chunks it runs at once).
     progress : bool or None, default None
@@ -106,6 +115,7 @@ def run_batch(make: Callable[[Any], Callable[[Any], Any]], inputs: Iterable[Any]
         raise ArgumentError(f"workers must be an int >= 1 or None (as many as the cluster "
                             f"holds), got {workers!r}")
     items = _inputs(make, inputs, concurrency, progress, return_exceptions)
+    types = tuple(types)
     ray = _ray()
     folder = None
     if checkpoint is not None:
@@ -141,7 +151,7 @@ def run_batch(make: Callable[[Any], Callable[[Any], Any]], inputs: Iterable[Any]
                     while pending and load[i] < depth:
                         start, part = pending.pop()
                         path = None if folder is None else str(_chunk_file(folder, start, part))
-                        ref = actors[i].run.remote(part, start, path, per_chunk)
+                        ref = actors[i].run.remote(part, start, path, per_chunk, key, types)
                         running[ref] = (start, i)
                         load[i] += 1
                 done, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
@@ -216,12 +226,12 @@ class _Worker:
         except Exception as exc:                     # noqa: BLE001 - raised by run()
             self.error = exc
 
-    def run(self, inputs: list[Any], start: int, checkpoint: str | None,
-            concurrency: int) -> list[Any]:
+    def run(self, inputs: list[Any], start: int, checkpoint: str | None, concurrency: int,
+            key: str | None, types: tuple[type, ...]) -> list[Any]:
         if self.error is not None:
             raise self.error
         out = _run_batch(self.program, inputs, concurrency=concurrency, progress=False,
-                         checkpoint=checkpoint)
+                         checkpoint=checkpoint, key=key, types=types)
         return [_portable(r, start + i) for i, r in enumerate(out)]
 
 
@@ -229,7 +239,7 @@ def _check_factories(make: Any, model: Any) -> None:
     if not callable(make):
         raise ArgumentError(f"make must be a function of the model that returns the program, "
                             f"got {make!r:.60}")
-    if not callable(model) or _is_model(model):
+    if not callable(model) or is_model(model):
         raise ArgumentError(f"model must be a zero-argument factory of the model (such as "
                             f"ss.models.default, or a lambda), not {model!r:.60}: a model "
                             "cannot travel to a worker, each worker builds its own")
@@ -285,7 +295,7 @@ def _portable(result: Any, index: int) -> Any:
 
     class Refusing(cloudpickle.CloudPickler):
         def reducer_override(self, obj: Any) -> Any:
-            if _is_model(obj):
+            if is_model(obj):
                 raise ArgumentError("it holds a model")
             return super().reducer_override(obj)
 
