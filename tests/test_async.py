@@ -185,6 +185,13 @@ def test_a_beam_search_keeps_its_timeout_and_leaves_the_event_loop_free(engine):
         gen("Digits:", max_tokens=500, sampler=ss.beam_search(2), timeout=0.5)
     assert time.monotonic() - start < 5
     settled(engine, before)
+    # a search long enough to span many ticks on this machine: its length doubles until the
+    # search, called plainly, takes a second
+    for n in (12, 24, 48, 96, 192, 384, 500):
+        start = time.monotonic()
+        want = gen("Digits:", max_tokens=n, sampler=ss.beam_search(2))
+        if time.monotonic() - start >= 1.0:
+            break
     ticks = []
 
     async def ticking():
@@ -194,17 +201,22 @@ def test_a_beam_search_keeps_its_timeout_and_leaves_the_event_loop_free(engine):
 
     async def main():
         clock = asyncio.ensure_future(ticking())
+        await asyncio.sleep(0)                   # the ticker has started
         try:
-            return await ss.text(engine).acall("Once upon a time", max_tokens=12,
-                                               sampler=ss.beam_search(2))
+            start = time.monotonic()
+            got = await gen.acall("Digits:", max_tokens=n, sampler=ss.beam_search(2))
+            return got, start, time.monotonic()
         finally:
             clock.cancel()
 
-    got = run(main())
-    assert got.token_ids == ss.text(engine)("Once upon a time", max_tokens=12,
-                                            sampler=ss.beam_search(2)).token_ids
-    # the loop ran other work while the beams were searched: no gap of a whole call
-    assert len(ticks) > 1 and max(b - a for a, b in zip(ticks, ticks[1:])) < 1.0, ticks
+    got, start, end = run(main())
+    assert got.token_ids == want.token_ids
+    # the loop ran other work while the beams were searched: it ticked all through the call,
+    # with no gap near the whole call's length (a search that blocks the loop has one)
+    assert end - start >= 0.5, f"the search took {end - start:.2f} s: too short to measure"
+    during = [start] + [t for t in ticks if start < t < end] + [end]
+    gaps = [b - a for a, b in zip(during, during[1:])]
+    assert len(during) >= 5 and max(gaps) < (end - start) / 2, (end - start, gaps)
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), True, "5"])

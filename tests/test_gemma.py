@@ -14,7 +14,8 @@ import torch
 from pydantic import BaseModel, Field
 
 import seqstate as ss
-from conftest import assert_close, collect
+from conftest import assert_close, collect, request_llamacpp
+from seqstate.models import loading
 
 pytestmark = pytest.mark.real
 
@@ -43,6 +44,35 @@ def test_a_string_prompt_gets_the_bos_the_tokenizer_adds(gemma):
     front = "Long ago. " + s
     assert front.token_ids[0][0].count(tok.bos_token_id) == 1
     assert front.token_ids[0][0][0] == tok.bos_token_id
+
+
+def test_a_tokenizer_converted_into_an_empty_cache_adds_the_bos_the_file_asks_for(
+        gemma, tmp_path, monkeypatch):
+    """No machine's cache can make the BOS tests pass: here Gemma's tokenizer is converted from
+    the GGUF into an empty cache (the weights' folder linked from the suite's), by the
+    llama.cpp engine's loader, then read back from that cache by the HF engine's.  Each starts
+    a string prompt as llama.cpp's own tokenizer does, which reads the file's BOS rule itself."""
+    request_llamacpp()
+    import llama_cpp
+
+    gguf = ss.models.gemma3_gguf()
+    weights = loading.gguf_safetensors(gguf)
+    monkeypatch.setenv("SEQSTATE_CACHE", str(tmp_path))
+    (tmp_path / weights.name).symlink_to(weights)
+    on_llama = ss.models.llamacpp(gguf, n_ctx=256, n_threads=1)
+    converted = tmp_path / f"{weights.name}-tokenizer"
+    assert (converted / "seqstate-manifest.json").is_file()
+    on_hf = ss.models.transformers(gguf)
+    reference = llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)
+    for prompt in PROMPTS[:2]:
+        want = reference.tokenize(prompt.encode(), add_bos=True, special=False)
+        assert want[0] == reference.token_bos() == on_hf.hf_tokenizer.bos_token_id
+        for model in (on_llama, on_hf):
+            assert model.encode_prompt(prompt) == want
+            got = ss.text(model)(prompt, max_tokens=3).token_ids[0][0]
+            assert got[:len(want)] == want, (model.engine, got, want)
+    # with its BOS, Gemma tells the story (without it: "\n\n<h2><h2>...")
+    assert ss.text(on_hf)("Once upon a time", max_tokens=8).value.startswith(", there was")
 
 
 def test_greedy_equals_hf_generate(gemma):

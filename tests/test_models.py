@@ -1,6 +1,7 @@
 """Model loading: the default model equals a direct transformers forward; cache reuse/rebuild."""
 
 import importlib.util
+import json
 import time
 from pathlib import Path
 
@@ -77,6 +78,25 @@ def test_cache_is_reused_and_truncated_cache_rebuilt(tmp_path, monkeypatch):
     m3 = ss.models.default()
     assert weights.stat().st_size > 0 and weights.stat().st_mtime_ns != mtime
     assert (reference - m3.full_logits(ids)).abs().max().item() < 1e-4
+    del m3
+    # a conversion another transformers made (or another seqstate converter) is rebuilt: the
+    # weights and the tokenizer both, each manifest naming what made it
+    import transformers
+
+    made_by = {"seqstate": loading._CONVERTER, "transformers": transformers.__version__}
+    for folder in ("smollm2-135m-instruct", "smollm2-135m-instruct-tokenizer"):
+        manifest = tmp_path / folder / "seqstate-manifest.json"
+        written = json.loads(manifest.read_text())
+        assert written["made_by"] == made_by
+        manifest.write_text(json.dumps({**written, "made_by": {**made_by,
+                                                               "transformers": "5.0.0"}}))
+        (tmp_path / folder / "stale").touch()
+    m4 = ss.models.default()
+    for folder in ("smollm2-135m-instruct", "smollm2-135m-instruct-tokenizer"):
+        assert not (tmp_path / folder / "stale").exists(), f"{folder} was not rebuilt"
+        manifest = json.loads((tmp_path / folder / "seqstate-manifest.json").read_text())
+        assert manifest["made_by"] == made_by
+    assert (reference - m4.full_logits(ids)).abs().max().item() < 1e-4
 
 
 def test_missing_model_package_names_the_install_command(monkeypatch):

