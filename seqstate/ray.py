@@ -16,7 +16,6 @@ its place, as a failed input.
 from __future__ import annotations
 
 import io
-import math
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -89,7 +88,9 @@ def run_batch(make: Callable[[Any], Callable[[Any], Any]], inputs: Iterable[Any]
         With ``checkpoint``: the pydantic models and enums results hold (``ss.run_batch``'s
         ``types``).
     concurrency : int, default 16
-        Programs in flight on each worker (split between the two chunks it runs at once).
+        Programs in flight in each chunk (``ss.run_batch``'s ``concurrency``); a worker runs
+        two chunks at once while it has them, so that one's last programs overlap the next
+        one's first.
     progress : bool or None, default None
         A progress bar of finished chunks' inputs on standard error (None: when it is a
         terminal).
@@ -140,18 +141,18 @@ def run_batch(make: Callable[[Any], Callable[[Any], Any]], inputs: Iterable[Any]
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
     actors = [actor.remote(make, model) for _ in range(count)]
-    per_chunk = math.ceil(concurrency / depth)
     try:
         with progress_bar(progress, len(items), "seqstate.ray", "input", call=False) as bar:
             pending = list(reversed(chunks))
             running: dict[Any, tuple[int, Any]] = {}          # ref -> (chunk start, actor)
             load = {i: 0 for i in range(count)}
             while pending or running:
-                for i in range(count):
-                    while pending and load[i] < depth:
+                # one chunk to each worker in turn, so that a short run uses every worker
+                for i in [i for _ in range(depth) for i in range(count)]:
+                    if pending and load[i] < depth:
                         start, part = pending.pop()
                         path = None if folder is None else str(_chunk_file(folder, start, part))
-                        ref = actors[i].run.remote(part, start, path, per_chunk, key, types)
+                        ref = actors[i].run.remote(part, start, path, concurrency, key, types)
                         running[ref] = (start, i)
                         load[i] += 1
                 done, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
