@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 from importlib import resources
 
-__all__ = ["load", "available"]
+from seqstate.errors import ArgumentError
+
+__all__ = ["load", "available", "GrammarNotFound"]
 
 
 def available() -> list[str]:
@@ -21,7 +24,18 @@ def load(name: str) -> str:
     >>> "start" in ss.grammars.load("arithmetic")
     True
     """
-    path = resources.files(__name__) / f"{name}.lark"
-    if not path.is_file():
-        raise KeyError(f"no grammar named {name!r}; shipped grammars: {', '.join(available())}")
-    return path.read_text()
+    names = available()
+    if name not in names:
+        close = difflib.get_close_matches(str(name), names, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise GrammarNotFound(f"no grammar named {name!r}; {hint}shipped grammars: "
+                              f"{', '.join(names)} (ss.grammars.available())")
+    return (resources.files(__name__) / f"{name}.lark").read_text()
+
+
+class GrammarNotFound(ArgumentError, KeyError):
+    """No shipped grammar has this name (a `seqstate.ArgumentError`, and a ``KeyError`` as
+    before)."""
+
+    def __str__(self) -> str:           # KeyError's would quote the message
+        return str(self.args[0])

@@ -14,8 +14,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from seqstate.errors import ArgumentError, ChatTemplateError
-from seqstate.models.base import BaseModel
+from seqstate.errors import ChatTemplateError
+from seqstate.models.base import require_model
 from seqstate.rows import Chat, Row, not_a_conversation
 from seqstate.state import SequenceState
 
@@ -49,10 +49,7 @@ def chat(model: Any) -> SequenceState:
     >>> s.shape, isinstance(s["fruit"], str)
     ((1, 1), True)
     """
-    if not isinstance(model, BaseModel):
-        raise ArgumentError(f"ss.chat() takes a seqstate model (ss.models.default(), "
-                            f"ss.models.transformers(...)), got {type(model).__name__} "
-                            f"{model!r:.60}")
+    require_model(model, "ss.chat()")
     _render(model, [], False)              # a model without a template fails here, not later
     return SequenceState(model, (Row((), None, (), (), (), Conversation()),), 1, 1)
 

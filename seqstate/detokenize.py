@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import Any
 
+from seqstate.errors import ArgumentError
+
 __all__ = ["TokenVocabulary", "IncrementalDecoder", "StopMatcher"]
 
 _HEX_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -169,12 +171,20 @@ class TokenVocabulary:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` as text appended to a state: no special tokens added."""
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        except (TypeError, ValueError):
+            _check_text(text)
+            raise
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of ``text`` as the tokenizer encodes a prompt (``tokenizer(text)``): with
         the BOS token and whatever else it adds."""
-        return self.tokenizer.encode(text, add_special_tokens=True)
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=True)
+        except (TypeError, ValueError):
+            _check_text(text)
+            raise
 
     @cached_property
     def prompt_start(self) -> tuple[int, ...]:
@@ -228,6 +238,22 @@ def _whole_text(piece: bytes) -> str | None:
         return piece.decode("utf-8")
     except UnicodeDecodeError:
         return None
+
+
+def _check_text(text: Any) -> None:
+    """`seqstate.ArgumentError` where ``text`` is not text a tokenizer can encode: not a str,
+    or a str that is not valid Unicode (a lone surrogate, as a bad ``\\ud83d`` escape or a
+    file read with ``errors="surrogateescape"`` leaves)."""
+    if not isinstance(text, str):
+        raise ArgumentError(f"text to encode is a str, got {type(text).__name__} {text!r:.60}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ArgumentError(f"the text holds a lone surrogate {text[exc.start]!r} at character "
+                            f"{exc.start} ({text[max(0, exc.start - 20): exc.start + 1]!r}), "
+                            "which is not Unicode text; repair it first, e.g. "
+                            "text.encode('utf-16', 'surrogatepass').decode('utf-16') for a "
+                            "split pair, or text.encode('utf-8', 'replace').decode()") from None
 
 
 class IncrementalDecoder:

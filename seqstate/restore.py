@@ -59,10 +59,15 @@ def loads(model: Any, data: bytes | SavedState, *, types: Iterable[type] = ()) -
     if not hasattr(model, "vocab"):
         raise ArgumentError(f"ss.loads(model, data) takes the model first, got "
                             f"{type(model).__name__}")
-    if doc["tokenizer"] != tokenizer_id(model.vocab):
-        raise ModelMismatch(f"this state was saved under another tokenizer (model "
-                            f"{doc.get('model')!r}) than {model.name!r} has; load it on a model "
-                            "with the same tokenizer")
+    here = tokenizer_id(model.vocab)
+    if doc["tokenizer"] != here:
+        saved = doc.get("model")
+        why = (f"saved under a model also named {saved!r} whose tokenizer differs from this "
+               f"one's (another revision, or tokens added or changed: tokenizer digest "
+               f"{doc['tokenizer'][:12]} saved, {here[:12]} here)" if saved == model.name
+               else f"saved under {saved!r}, whose tokenizer is not {model.name!r}'s")
+        raise ModelMismatch(f"this state was {why}; load it on a model with the tokenizer it "
+                            "was saved under")
     rows, batch, samples = decode_rows(doc, Conversation, {class_name(t): t for t in types})
     return SequenceState(model, tuple(rows), batch, samples)
 

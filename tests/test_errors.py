@@ -366,3 +366,30 @@ def test_a_greedy_warning_does_not_precede_the_error_it_leads_to(tiny):
             ss.choice(tiny, ["a", "b"], method="score")(three, num_samples=2)
     with pytest.warns(UserWarning, match="identical copies"):   # a valid call still warns
         ss.text(tiny)("Hi", max_tokens=1, num_samples=2)
+
+
+# -- what a new user trips on (issue 61) ---------------------------------------------------------
+@pytest.mark.parametrize("build", [ss.text, lambda m: ss.json(m, {"type": "integer"}),
+                                   lambda m: ss.regex(m, "a+"), lambda m: ss.choice(m, ["a"]),
+                                   lambda m: ss.cfg(m, 'start: "a"'), ss.chat])
+def test_a_models_name_given_as_the_model(build):
+    with pytest.raises(ss.ArgumentError, match=r"takes a seqstate model .*got str "
+                                               r"'HuggingFaceTB/SmolLM2-135M'.*load it first"):
+        build("HuggingFaceTB/SmolLM2-135M")
+
+
+def test_a_lone_surrogate_in_a_prompt(tiny):
+    broken = "Caf\udce9 au lait"            # read with errors="surrogateescape"
+    for attempt in (lambda: ss.text(tiny)(broken, max_tokens=2),
+                    lambda: ss.text(tiny)("Once", max_tokens=2) + broken):
+        with pytest.raises(ss.ArgumentError, match=r"lone surrogate '\\udce9' at character 3"):
+            attempt()
+    assert ss.text(tiny)("Caf\u00e9", max_tokens=2).shape == (1, 1)    # the model is usable
+
+
+def test_a_misspelt_grammar_name():
+    with pytest.raises(ss.ArgumentError, match=r"'jsonn'; did you mean 'json'\? shipped "
+                                               r"grammars: arithmetic, .*json"):
+        ss.grammars.load("jsonn")
+    with pytest.raises(KeyError):               # as before
+        ss.grammars.load("jsonn")

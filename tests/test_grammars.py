@@ -13,7 +13,7 @@ def test_grammar_compiles(tiny, name):
 
 
 def test_unknown_grammar_lists_the_shipped_ones():
-    with pytest.raises(KeyError, match="arithmetic"):
+    with pytest.raises(ss.ArgumentError, match="arithmetic"):
         ss.grammars.load("nope")
 
 

@@ -5,6 +5,7 @@ continues exactly as the original."""
 import base64
 import json
 import pickle
+import re
 
 import pydantic
 import pytest
@@ -125,6 +126,18 @@ def test_another_tokenizer_is_model_mismatch(tiny, gemma):
     s = ss.text(tiny)("Hello", max_tokens=2)
     with pytest.raises(ss.ModelMismatch, match="tokenizer"):
         ss.loads(gemma, s.dumps())
+
+
+def test_another_tokenizer_of_the_same_model_name_says_so(tiny):
+    doc = json.loads(ss.text(tiny)("Hello", max_tokens=2).dumps())
+    other = json.dumps(dict(doc, tokenizer="0" * 32)).encode()     # a revision's tokenizer
+    with pytest.raises(ss.ModelMismatch, match=rf"a model also named {re.escape(repr(tiny.name))} whose "
+                                               r"tokenizer differs.*digest 000000000000 saved"):
+        ss.loads(tiny, other)
+    renamed = json.dumps(dict(doc, tokenizer="0" * 32, model="other")).encode()
+    with pytest.raises(ss.ModelMismatch, match=r"saved under 'other', whose tokenizer is not "
+                                               + re.escape(f"{tiny.name!r}'s")):
+        ss.loads(tiny, renamed)
 
 
 def test_data_that_is_no_state_is_refused(tiny):

@@ -15,7 +15,7 @@ from seqstate.constraints import compile as compiled
 from seqstate.errors import ArgumentError
 from seqstate.generation.generator import Generator
 from seqstate.generation.ranked_choice import ScoredChoice
-from seqstate.models.base import BaseModel as Model
+from seqstate.models.base import BaseModel as Model, require_model
 
 __all__ = ["text", "choice", "regex", "json", "cfg"]
 
@@ -57,6 +57,7 @@ def text(model: Model) -> Generator:
     >>> s.shape, s.finish_reason
     ((1, 1), 'max_tokens')
     """
+    require_model(model, "ss.text()")
     return Generator(model, None, "text")
 
 
@@ -85,6 +86,7 @@ def choice(model: Model, options: Any, *, method: str = "generate",
     >>> ss.choice(model, ["yes", "no"])("Answer: ").value in ("yes", "no")
     True
     """
+    require_model(model, "ss.choice()")
     if method == "score":
         return ScoredChoice(model, options, length_normalize)
     if method != "generate":
@@ -117,6 +119,7 @@ def regex(model: Model, pattern: str) -> Generator:
     >>> len(s.value), s.value.isdigit()
     (3, True)
     """
+    require_model(model, "ss.regex()")
     return Generator(model, compiled.regex(model, pattern), "regex")
 
 
@@ -153,6 +156,7 @@ def json(model: Model, schema: Any, *, whitespace: str = "compact",
     >>> s.finish_reason == "max_tokens" or isinstance(s.value["n"], int)
     True
     """
+    require_model(model, "ss.json()")
     return Generator(model, compiled.json_schema(model, schema, whitespace=whitespace,
                                                  additional_properties=additional_properties,
                                                  key_order=key_order), "json")
@@ -180,4 +184,5 @@ def cfg(model: Model, grammar: str) -> Generator:
     >>> isinstance(s.value, str) or s.value is None
     True
     """
+    require_model(model, "ss.cfg()")
     return Generator(model, compiled.cfg(model, grammar), "cfg")

@@ -15,11 +15,12 @@ from seqstate.backends.base import Backend, StepBackend, WorkCounters
 from seqstate.engine.requests import RequestRunner
 from seqstate.engine.runner import ClosedRunner, Runner
 from seqstate.engine.scheduler import Scheduler
+from seqstate.errors import ArgumentError
 
 if TYPE_CHECKING:
     from seqstate.detokenize import TokenVocabulary
 
-__all__ = ["BaseModel", "Stats"]
+__all__ = ["BaseModel", "Stats", "require_model"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -266,3 +267,14 @@ class BaseModel:
         if self.closed:
             self.runner.next_logprobs()          # raises ModelClosed
         return self.backend.fresh_logits(ids)
+
+
+def require_model(model: Any, taker: str) -> None:
+    """`seqstate.ArgumentError` unless ``model`` is a seqstate model (``taker``: the function
+    given it, as the user called it)."""
+    if not isinstance(model, BaseModel):
+        hint = (f" (a model's name: load it first, model = ss.models.transformers({model!r}))"
+                if isinstance(model, str) else "")
+        raise ArgumentError(f"{taker} takes a seqstate model (ss.models.default(), "
+                            f"ss.models.transformers(...)) first, got {type(model).__name__} "
+                            f"{model!r:.60}{hint}")
