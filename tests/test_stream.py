@@ -91,3 +91,27 @@ def test_sync_stream_object_has_its_final_state(tiny):
     assert ss.final_state(ss.text(tiny).stream("Stream me", max_tokens=6)) == stream.state
     chunks, state = collect(ss.text(tiny).stream("Stream me", max_tokens=6))  # StopIteration
     assert state == stream.state
+
+
+def test_a_closed_streams_state_says_it_has_none(tiny):
+    import asyncio
+
+    stream = ss.text(tiny).stream("Stream me", max_tokens=60)
+    next(stream)
+    stream.close()
+    with pytest.raises(ss.ArgumentError, match="closed .* before its end, so it has no final"):
+        stream.state
+    ended = ss.text(tiny).stream("Stream me", max_tokens=6)
+    list(ended)
+    ended.close()                                   # after its end: the state stays
+    assert ended.state == ss.text(tiny)("Stream me", max_tokens=6)
+
+    async def closed_early():
+        astream = ss.text(tiny).astream("Stream me", max_tokens=60)
+        await astream.__anext__()
+        await astream.aclose()
+        return astream
+
+    astream = asyncio.run(closed_early())
+    with pytest.raises(ss.ArgumentError, match="closed .* before its end, so it has no final"):
+        astream.state

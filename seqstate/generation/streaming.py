@@ -76,6 +76,11 @@ def final_state(stream: Iterator[str]) -> SequenceState:
             return stop.value
 
 
+_NO_STATE = ("the stream was closed (or cancelled, or its call failed) before its end, so "
+             "it has no final state: its rows left the batch and kept nothing; the chunks it "
+             "yielded are the text it wrote.  Iterate a stream to its end for its state")
+
+
 class Stream:
     """A call's text as it is produced: ``for chunk in stream`` yields the chunks of
     `Generator.stream`, then ``stream.state`` is the final state (also the iterator's return
@@ -88,6 +93,7 @@ class Stream:
     def __init__(self, steps: Generator[Any, None, Any]) -> None:
         self._steps = steps
         self._state: Any = None
+        self._closed = False
 
     def __iter__(self) -> Stream:
         return self
@@ -109,12 +115,16 @@ class Stream:
 
     def close(self) -> None:
         """End the call now: its rows leave the batch at the engine's next step."""
+        self._closed = self._state is None
         self._steps.close()
 
     @property
     def state(self) -> Any:
-        """The final state, once the stream has ended."""
+        """The final state, once the stream has ended; a stream closed before its end has
+        none."""
         if self._state is None:
+            if self._closed:
+                raise ArgumentError(_NO_STATE)
             raise ArgumentError("the stream has not ended: iterate it to its end (`for chunk "
                                 "in stream`, or list(stream)) first")
         return self._state
@@ -166,6 +176,8 @@ class AsyncStream:
     def state(self) -> Any:
         """The final state, once the stream has ended."""
         if self._state is None:
+            if self._ended:
+                raise ArgumentError(_NO_STATE)
             raise ArgumentError("the stream has not ended: iterate it to its end (`async for`) "
                                 "or `await stream.drain()` first")
         return self._state
