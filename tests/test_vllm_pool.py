@@ -1,7 +1,7 @@
 """A pool of vLLM replicas as one model (`ss.models.vllm([url, ...])`), against real servers
 on loopback: the session's server and one more with a small KV cache, started for this
-module.  The reference is the session's server alone (greedy tokens equal, scores within
-fp32 noise).  The second server is killed (SIGKILL) mid-stream in the module's last server
+module (and vllm-router in front of the two, `seqstate.vllm.Router`).  The reference is the
+session's server alone (greedy tokens equal, scores within fp32 noise).  The second server is killed (SIGKILL) mid-stream in the module's last server
 test; a replica coming back is a TCP relay in front of the session's server, closed and
 opened again on the same port.
 """
@@ -20,8 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import seqstate as ss
+from seqstate.backends.vllm import metrics
+from seqstate.backends.vllm.client import Client
 from seqstate.backends.vllm.pool import RANK_HEADER
-from seqstate.vllm import Server, free_port
+from seqstate.vllm import Router, Server, free_port
 
 from conftest import assert_close, collect
 
@@ -105,6 +107,51 @@ def test_new_roots_spread_over_the_replicas_and_replicas_report_themselves(pool,
     report = pool.replicas
     assert [(r.url, r.rank, r.health, r.load) for r in report] == [
         (vllm_server.url, None, "up", 0), (second.url, None, "up", 0)]
+
+
+def _finished(url: str) -> float:
+    """Requests the server at ``url`` finished, by its own ``/metrics``."""
+    client = Client(url)
+    try:
+        return metrics.total(metrics.parse(client.text("/metrics")), "vllm:request_success")
+    finally:
+        client.close()
+
+
+def test_through_vllm_router_a_lineage_stays_on_one_server_with_one_servers_results(
+        vllm, vllm_server, second, real, tmp_path):
+    try:
+        router = Router([vllm_server.url, second.url], "consistent_hash",
+                        log=open(tmp_path / "router.log", "w"))
+    except ss.ModelNotAvailable as exc:
+        if os.environ.get("SEQSTATE_REQUIRE_VLLM"):
+            raise
+        pytest.skip(f"no vllm-router: {exc}")
+    servers = [vllm_server.url, second.url]
+    with router:
+        model = ss.models.vllm(router.url)
+        try:
+            for _ in range(2):                                  # two unrelated roots
+                prompt = _fresh()
+                before = [_finished(url) for url in servers]
+                gen = ss.text(model)
+                root = gen(prompt, max_tokens=6)
+                more = gen(root + " Then", max_tokens=6)          # a continuation
+                forks = gen(root, num_samples=2, max_tokens=4, sampler=ss.multinomial(),
+                            seed=3)
+                scores = root.score([" yes", " no"])
+                used = [_finished(url) - b for url, b in zip(servers, before)]
+                assert sum(1 for u in used if u) == 1, used     # every request: one server
+                one = ss.text(vllm)
+                reference = one(prompt, max_tokens=6)
+                assert root.token_ids == reference.token_ids
+                assert more.token_ids == one(reference + " Then", max_tokens=6).token_ids
+                assert forks.token_ids == one(reference, num_samples=2, max_tokens=4,
+                                              sampler=ss.multinomial(), seed=3).token_ids
+                assert_close(scores.sums, reference.score([" yes", " no"]).sums, real,
+                             "scores: through the router vs one server")
+        finally:
+            model.close()
 
 
 def test_a_replica_killed_mid_stream_loses_no_call_and_no_greedy_token(vllm, pool, second):
