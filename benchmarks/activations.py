@@ -5,7 +5,7 @@ A 400-token shared prefix, then a clean and a corrupt 10-token suffix.  30 (laye
 patches: the corrupt run with one position of one layer's residual stream replaced by the
 clean run's.  seqstate feeds the prefix once (``prefix.next_logprobs()`` stores it), reads the
 clean run's activations of the 10 suffix positions (``run_with_cache``) and runs each patch
-over the suffix only (``run_with_hooks(...).next_logprobs()``).  TransformerLens's way, done
+over the suffix only (``with_hooks(...).next_logprobs()``).  TransformerLens's way, done
 with plain HF forwards and torch hooks, as its ``run_with_cache`` / ``run_with_hooks`` do:
 one full forward caching the clean activations, then one full forward per patch.  Both
 sweeps are timed from an empty store, and their patched log-probs compared.
@@ -59,7 +59,7 @@ def main(model, repeat: int = 3) -> None:
             def patch(act, pos, p=p, value=value):
                 act[pos.at(p)] = value
 
-            hooked = corrupt.run_with_hooks({name: patch}, start=PREFIX)
+            hooked = corrupt.with_hooks({name: patch}, start=PREFIX)
             out.append(hooked.next_logprobs()[0, 0])
         return torch.stack(out)
 
@@ -118,7 +118,7 @@ def main(model, repeat: int = 3) -> None:
     report(f"ACDC-style sweep: 30 (layer, position) patches, {PREFIX}-token shared prefix, "
            f"{SUFFIX}-token suffix", [
                ("31 full forwards + torch hooks", theirs_s, "TransformerLens's way"),
-               ("seqstate run_with_hooks", ours_s,
+               ("seqstate with_hooks", ours_s,
                 f"tokens fed {used.prefill_tokens + used.decode_tokens} (the prefix once); "
                 f"max |log-prob diff| {diff:.2e}"),
            ], "31 full forwards + torch hooks")

@@ -1,5 +1,5 @@
 """Activations on states: read them (``state.run_with_cache``) and patch them
-(``state.run_with_hooks``, ``hooks=`` on ``next_logprobs`` and ``score``).
+(``state.with_hooks``, ``hooks=`` on ``next_logprobs`` and ``score``).
 
 A hooked run computes a state's rows from the end of their stored prefix on (or from the
 position ``start=`` asks), over the stored prefix's KV: read, never written, and what the
@@ -98,7 +98,7 @@ class ActivationCache(Mapping):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class HookedState:
-    """A state with hooks to run: ``state.run_with_hooks(hooks)``.  Each method runs the
+    """A state with hooks to run: ``state.with_hooks(hooks)``.  Each method runs the
     state's rows hooked over their stored prefix, nothing stored (see the module).
 
     Examples
@@ -110,7 +110,7 @@ class HookedState:
     >>> def zero_last(act, pos):
     ...     act[pos.at(-1)] = 0                # each row's last position
     >>> hooks = {"blocks.0.hook_mlp_out": zero_last}
-    >>> patched = (story + " to").run_with_hooks(hooks)
+    >>> patched = (story + " to").with_hooks(hooks)
     >>> patched.next_logprobs().shape[:2]
     torch.Size([1, 1])
     """

@@ -174,7 +174,7 @@ class CallTimeout(SeqStateError, TimeoutError):
 
 class HookNameError(SeqStateError, KeyError):
     """An activation name that names no hook point of the model (``state.run_with_cache``,
-    ``state.run_with_hooks``), or a name an `ActivationCache` does not hold.  The message
+    ``state.with_hooks``), or a name an `ActivationCache` does not hold.  The message
     lists the forms the model accepts.  A ``KeyError``, as for any mapping lookup."""
 
     def __str__(self) -> str:

@@ -265,7 +265,7 @@ class SequenceState:
         appended to a state is: no special tokens) or a list of token ids (taken verbatim).
         Each row's KV is reused from the store or computed once and stored; its last
         position's distribution scores every continuation's first token; the continuations'
-        KV is scratch, not stored, unless ``store=True``.  ``hooks``: see `run_with_hooks`.
+        KV is scratch, not stored, unless ``store=True``.  ``hooks``: see `with_hooks`.
 
         Returns
         -------
@@ -292,7 +292,7 @@ class SequenceState:
         """Float32 log-softmax of the next token after every row, ``(batch, samples, vocab)``.
 
         Each row's KV is reused from the store or computed once and stored (an empty row
-        means the start token, as for generators).  ``hooks``: see `run_with_hooks`.
+        means the start token, as for generators).  ``hooks``: see `with_hooks`.
 
         Examples
         --------
@@ -313,10 +313,11 @@ class SequenceState:
         from ``start`` (0: a full forward); nothing stored.  See `seqstate.activations`."""
         return activations.run_with_cache(self, names, start=start)
 
-    def run_with_hooks(self, hooks: activations.Hooks, *, start: int | None = None
+    def with_hooks(self, hooks: activations.Hooks, *, start: int | None = None
                        ) -> activations.HookedState:
-        """The state with ``hooks`` (``{name: fn(act, pos)}``) on for its ``next_logprobs()``,
-        ``score()``, ``run_with_cache()``: see `seqstate.activations`."""
+        """The state with ``hooks`` (``{name: fn(act, pos)}``) on: nothing runs until its
+        ``next_logprobs()``, ``score()`` or ``run_with_cache()`` (each a run with the hooks),
+        see `seqstate.activations`."""
         return activations.HookedState(self, hooks, start)
 
     # -- concatenation ------------------------------------------------------------------------

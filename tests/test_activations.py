@@ -152,14 +152,14 @@ def test_a_patched_run_equals_a_patched_full_forward(which, request):
             hidden[:, at] = clean_cache.at(name, at)
         return hidden
 
-    got = corrupt.run_with_hooks({name: patch}).next_logprobs()
+    got = corrupt.with_hooks({name: patch}).next_logprobs()
     assert torch.equal(got, corrupt.next_logprobs(hooks={name: patch}))
     _, _, want = _fresh(model, corrupt.rows[0].tokens, (layer,), by_hand)
     assert_close(got[0, 0], want[-1], model, "activations: patched next log-probs")
     assert (got - corrupt.next_logprobs()).abs().max() > 1e-3      # the patch changed them
     # scored continuations, hooked: each pair a row of the forward
     options = [" Mary", " the cat"]
-    sc = corrupt.run_with_hooks({name: patch}, start=at).score(options)   # its KV is stored now
+    sc = corrupt.with_hooks({name: patch}, start=at).score(options)   # its KV is stored now
     for j, option in enumerate(options):
         ids = model.encode(option)
         _, _, want = _fresh(model, list(corrupt.rows[0].tokens) + ids[:-1], (layer,), by_hand)
@@ -178,7 +178,7 @@ def test_hooks_may_return_a_replacement_and_see_heads(tiny):
         return act * 0.5
 
     name = "blocks.0.attn.hook_z"
-    hooked = clean.run_with_hooks({name: scale}).run_with_cache([name, "blocks.0.hook_attn_out"])
+    hooked = clean.with_hooks({name: scale}).run_with_cache([name, "blocks.0.hook_attn_out"])
     plain = clean.run_with_cache([name])
     assert_close(hooked[name], plain[name] * 0.5, tiny, "activations: returned patch")
     assert seen[0][0][-2:] == (4, tiny.head_dim) and seen[0][0][:2] == tuple(seen[0][1])
@@ -193,9 +193,9 @@ def test_clean_calls_give_what_they_gave_after_any_hooked_run(fresh_tiny):
     cached, segments = model.stats.kv_bytes_cached, model.stats.segments
     zero = {"blocks.0.hook_resid_post": lambda act, pos: act.zero_(),
             "blocks.1.mlp.hook_post": lambda act, pos: act + 1}
-    corrupt.run_with_hooks(zero).next_logprobs()
-    corrupt.run_with_hooks(zero, start=0).score([" Mary"])
-    clean.run_with_hooks(zero).run_with_cache(["blocks.1.hook_resid_pre",
+    corrupt.with_hooks(zero).next_logprobs()
+    corrupt.with_hooks(zero, start=0).score([" Mary"])
+    clean.with_hooks(zero).run_with_cache(["blocks.1.hook_resid_pre",
                                                "blocks.1.attn.hook_pattern"])
     (clean + " more").next_logprobs(hooks=zero)              # tokens the store has never seen
     assert model.stats.kv_bytes_cached == cached and model.stats.segments == segments
@@ -213,10 +213,10 @@ def test_a_position_of_the_stored_prefix_is_refused(tiny):
         act[pos.at(2)] = 0
 
     with pytest.raises(ss.PrefixPositionError, match=rf"start=2.*start=0.*full forward") as info:
-        clean.run_with_hooks({"blocks.0.hook_resid_pre": early}).next_logprobs()
+        clean.with_hooks({"blocks.0.hook_resid_pre": early}).next_logprobs()
     assert f"0..{k - 1} were read from the store" in str(info.value)
     assert isinstance(info.value, IndexError)
-    patched = clean.run_with_hooks({"blocks.0.hook_resid_pre": early}, start=2).next_logprobs()
+    patched = clean.with_hooks({"blocks.0.hook_resid_pre": early}, start=2).next_logprobs()
     assert patched.shape == (1, 1, tiny.vocab.size) or patched.shape[:2] == (1, 1)
     with pytest.raises(ss.PrefixPositionError, match="start="):
         clean.run_with_cache(["blocks.0.hook_resid_pre"]).at("blocks.0.hook_resid_pre", 0)
@@ -233,9 +233,9 @@ def test_unknown_names_are_refused_before_compute_listing_the_forms(tiny):
         assert "blocks.{i}.HOOK" in str(info.value) and "hook_resid_post" in str(info.value)
         assert "model.layers" in str(info.value) and isinstance(info.value, KeyError)
     with pytest.raises(ss.HookNameError):
-        clean.run_with_hooks({"nope": lambda a, p: None}).next_logprobs()
+        clean.with_hooks({"nope": lambda a, p: None}).next_logprobs()
     with pytest.raises(ss.ArgumentError):
-        clean.run_with_hooks({"blocks.0.hook_resid_pre": 3}).next_logprobs()
+        clean.with_hooks({"blocks.0.hook_resid_pre": 3}).next_logprobs()
     with pytest.raises(ss.ArgumentError):
         clean.score([" a"], store=True, hooks={})
     with pytest.raises(ss.ArgumentError, match="read only.*attn.hook_z"):
@@ -272,7 +272,7 @@ def test_llamacpp_refuses_before_compute(llama):
     state = ss.from_tokens(llama, [llama.encode_prompt("Hello there")])
     before = llama.stats
     for call in (lambda: state.run_with_cache(["blocks.0.hook_resid_pre"]),
-                 lambda: state.run_with_hooks({"blocks.0.hook_resid_pre": print}).next_logprobs(),
+                 lambda: state.with_hooks({"blocks.0.hook_resid_pre": print}).next_logprobs(),
                  lambda: state.score([" a"], hooks={})):
         with pytest.raises(ss.CapabilityError, match="activations") as info:
             call()

@@ -58,7 +58,7 @@ class Capabilities:
         most working rows one batch can hold at once (None: no fixed limit).
     activations
         a forward whose activations can be read and patched by hook name
-        (``state.run_with_cache``, ``state.run_with_hooks``): the engine runs the model's
+        (``state.run_with_cache``, ``state.with_hooks``): the engine runs the model's
         modules itself (hf).
     own_threads
         the engine computes on CPU threads of its own; its ``on_worker_start`` then makes the

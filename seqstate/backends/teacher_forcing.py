@@ -30,22 +30,22 @@ from seqstate.backends.base import Handle, Scored
 from seqstate.backends.prefixes import common_prefix
 from seqstate.sampling.functions import check_logprobs
 
-__all__ = ["score_pairs", "prefix_groups", "store_rows", "SCORE_BATCH_TOKENS", "LOGITS_BYTES",
-           "CHUNK"]
+__all__ = ["score_pairs", "prefix_groups", "store_rows", "budget_groups", "within_budget",
+           "rows_per_group", "SCORE_BATCH_TOKENS", "LOGITS_BYTES", "CHUNK"]
 
 SCORE_BATCH_TOKENS = 8192      # KV columns (rows x longest row) one scoring group holds
 LOGITS_BYTES = 1 << 28         # float32 logits alive at once (bytes)
 CHUNK = 1024                   # most tokens fed to one row in one forward
 
 
-def _groups(items: Sequence[Any], cost: Callable[[list[Any]], tuple[int, int, int]],
+def budget_groups(items: Sequence[Any], cost: Callable[[list[Any]], tuple[int, int, int]],
             max_rows: int | None) -> Iterator[list[Any]]:
     """Consecutive groups of ``items`` whose ``cost(group)`` = (KV columns, logits bytes,
     rows) stays within the budget (a single item always forms a group)."""
     group: list[Any] = []
     for item in items:
         grown = group + [item]
-        if group and not _fits(cost(grown), max_rows):
+        if group and not within_budget(cost(grown), max_rows):
             yield group
             grown = [item]
         group = grown
@@ -53,13 +53,13 @@ def _groups(items: Sequence[Any], cost: Callable[[list[Any]], tuple[int, int, in
         yield group
 
 
-def _fits(cost: tuple[int, int, int], max_rows: int | None) -> bool:
+def within_budget(cost: tuple[int, int, int], max_rows: int | None) -> bool:
     columns, logits, rows = cost
     return (columns <= SCORE_BATCH_TOKENS and logits <= LOGITS_BYTES
             and (max_rows is None or rows <= max_rows))
 
 
-def _max_rows(backend: Any) -> int | None:
+def rows_per_group(backend: Any) -> int | None:
     """Rows per group: a llama.cpp row needs its own sequence and its prefix a carrier, and
     a third of the sequences stays free for the scheduler's running rows."""
     rows = backend.capabilities.max_rows
@@ -76,7 +76,7 @@ def prefix_groups(backend: Any, prefixes: Sequence[Sequence[int]]) -> Iterator[l
     def cost(group: list[int]) -> tuple[int, int, int]:
         return len(group) * len(prefixes[group[-1]]), len(group) * vocab_bytes, len(group)
 
-    return _groups(order, cost, _max_rows(backend))
+    return budget_groups(order, cost, rows_per_group(backend))
 
 
 def _last_logprobs(backend: Any, prefixes: Sequence[Sequence[int]],
@@ -148,7 +148,7 @@ def _continuations(backend: Any, pairs: list[tuple[tuple[int, ...], tuple[int, .
     then cuts them where they share least): " a barometer" and " a thermometer" in two
     groups would feed " a" twice."""
     vocab_bytes = 4 * backend.vocab_size
-    max_rows = _max_rows(backend)
+    max_rows = rows_per_group(backend)
 
     def cost(group: list[int]) -> tuple[int, int, int]:
         longest = max(len(pairs[j][0]) + len(pairs[j][1]) for j in group)
@@ -156,7 +156,7 @@ def _continuations(backend: Any, pairs: list[tuple[tuple[int, ...], tuple[int, .
         return len(group) * longest, len(group) * fed * vocab_bytes, len(group)
 
     pieces = [piece for js in todo for piece in _pieces(pairs, js, cost, max_rows)]
-    for part in _groups(pieces, lambda ps: cost([j for p in ps for j in p]), max_rows):
+    for part in budget_groups(pieces, lambda ps: cost([j for p in ps for j in p]), max_rows):
         group = [j for piece in part for j in piece]
         chunk = max(1, min(CHUNK, LOGITS_BYTES // (len(group) * vocab_bytes)))
         members: dict[tuple[int, ...], list[int]] = {}
@@ -186,7 +186,7 @@ def _pieces(pairs: list, js: list[int], cost: Callable[[list[int]], tuple[int, i
     pieces, start = [], 0
     while start < len(order):
         end = start + 1
-        while end < len(order) and _fits(cost(order[start: end + 1]), max_rows):
+        while end < len(order) and within_budget(cost(order[start: end + 1]), max_rows):
             end += 1
         if end < len(order):                     # the latest of the cuts sharing fewest
             end = min(range(end, start, -1), key=lambda k: shared[k - 1])

@@ -317,7 +317,7 @@ def _settled(futures: list[Future], caller: Caller) -> Generator[Any, None, list
 
 def _result(backend, row: LiveRow) -> RowResult:
     """A finished row's result, its handle on the KV the server's cache may hold for it."""
-    return row.result(backend.handle(min(len(row.tokens) - 1, row.kv_limit)))
+    return row.result(backend.handle(row.kv_valid(len(row.tokens) - 1)))
 
 
 def _hooked(row: LiveRow, i: int, token: Token, hooks: Sequence[Hook], max_backtracks: int) -> bool:

@@ -103,7 +103,7 @@ class LiveRow:
         self.text = ""
         self.respelled = 0                     # leading tokens that only re-spell the prompt
         self.value_end: int | None = None
-        self.kv_limit = 1 << 62                # a stop-string cut invalidates KV past this
+        self.kv_limit: int | None = None       # a stop-string cut invalidates KV past this
         self.finish_reason: FinishReason | None = None
 
     def fork(self) -> LiveRow:
@@ -218,7 +218,8 @@ class LiveRow:
 
     def kv_valid(self, held: int) -> int:
         """How many leading tokens of ``tokens`` have valid KV, of the ``held`` a batch holds."""
-        return min(held, len(self.tokens) - 1, self.kv_limit)
+        valid = min(held, len(self.tokens) - 1)
+        return valid if self.kv_limit is None else min(valid, self.kv_limit)
 
     def result(self, handle: Handle | None) -> RowResult:
         text = self.text if self.value_end is None else self.text[: self.value_end]

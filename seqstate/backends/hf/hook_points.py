@@ -57,13 +57,14 @@ def _sandwich(layer: nn.Module) -> bool:
     return hasattr(layer, "pre_feedforward_layernorm") and hasattr(layer, "post_feedforward_layernorm")
 
 
-def _block_point(layer: nn.Module, hook: str, heads: int, kv_heads: int) -> tuple | None:
-    """``(module, input, heads[, pattern])`` of TransformerLens's ``hook`` inside one decoder
-    layer, or None where this layer has no clean counterpart."""
+def _block_points(layer: nn.Module, heads: int, kv_heads: int) -> dict[str, tuple]:
+    """Every TransformerLens block hook name, in TransformerLens's order (the one list of
+    them), with its ``(module, input, heads[, pattern])`` inside one decoder layer; the module
+    is None where this layer has no clean counterpart."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     sandwich = _sandwich(layer)
     plain_qk = attn is not None and not hasattr(attn, "q_norm")     # no norm after q_proj
-    table = {
+    return {
         "hook_resid_pre": (layer, True, None),
         "hook_resid_post": (layer, False, None),
         "ln1.hook_normalized": (getattr(layer, "input_layernorm", None), False, None),
@@ -82,7 +83,12 @@ def _block_point(layer: nn.Module, hook: str, heads: int, kv_heads: int) -> tupl
         "hook_mlp_out": ((getattr(layer, "post_feedforward_layernorm", None) if sandwich
                           else mlp), False, None),
     }
-    found = table.get(hook)
+
+
+def _block_point(layer: nn.Module, hook: str, heads: int, kv_heads: int) -> tuple | None:
+    """``(module, input, heads[, pattern])`` of TransformerLens's ``hook`` inside one decoder
+    layer, or None where this layer has no clean counterpart."""
+    found = _block_points(layer, heads, kv_heads).get(hook)
     return found if found is not None and found[0] is not None else None
 
 
@@ -91,12 +97,9 @@ def block_names(hf_model: Any) -> list[str]:
     layers = _layers(hf_model)
     if not layers:
         return []
-    cfg = hf_model.config.get_text_config(decoder=True)
-    hooks = ["hook_resid_pre", "hook_resid_post", "ln1.hook_normalized", "ln2.hook_normalized",
-             "hook_attn_out", "attn.hook_z", "attn.hook_pattern", "attn.hook_q", "attn.hook_k",
-             "attn.hook_v", "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post", "hook_mlp_out"]
-    heads = cfg.num_attention_heads
-    return [h for h in hooks if _block_point(layers[0], h, heads, heads) is not None]
+    heads = hf_model.config.get_text_config(decoder=True).num_attention_heads
+    return [h for h, found in _block_points(layers[0], heads, heads).items()
+            if found[0] is not None]
 
 
 def resolve(hf_model: Any, name: str) -> HookPoint:

@@ -165,19 +165,20 @@ def score_packed(backend: Any, pairs: Sequence[tuple[Sequence[int], Sequence[int
     del handles
     done: dict[Pair, Scored] = {}
     packed, rest = [], []
-    most = teacher_forcing._max_rows(backend)
+    most = teacher_forcing.rows_per_group(backend)
     for row in rows.values():
         alone = _cost([_Line().grown(row)], backend.vocab_size)
-        if len(row.tail) <= teacher_forcing.CHUNK and teacher_forcing._fits(alone, most):
+        if len(row.tail) <= teacher_forcing.CHUNK and teacher_forcing.within_budget(alone, most):
             packed.append(row)
         else:
             rest.extend(distinct[j] for j in row.pairs)
     # a sliding window counts columns: there every context keeps a row of its own
     columns = 0 if _window(backend) else LINE_COLUMNS
     lines = _lines(packed, lambda ln: ln.width <= columns
-                   and teacher_forcing._fits(_cost([ln], backend.vocab_size), most))
+                   and teacher_forcing.within_budget(_cost([ln], backend.vocab_size), most))
     lines.sort(key=lambda ln: (ln.width, ln.past))              # lines of like widths together
-    for budgeted in teacher_forcing._groups(lines, lambda g: _cost(g, backend.vocab_size), most):
+    for budgeted in teacher_forcing.budget_groups(
+            lines, lambda g: _cost(g, backend.vocab_size), most):
         for group in _even(budgeted):
             for j, got in _score_group(backend, group, distinct):
                 done[distinct[j]] = got
