@@ -393,3 +393,15 @@ def test_a_misspelt_grammar_name():
         ss.grammars.load("jsonn")
     with pytest.raises(KeyError):               # as before
         ss.grammars.load("jsonn")
+
+
+def test_resume_of_another_kind_of_call_is_refused(tiny):
+    words = ss.text(tiny)("Say:", max_tokens=3)
+    with pytest.raises(ss.ArgumentError, match=r"a text call, but this is a regex generator"):
+        ss.regex(tiny, "[0-9]+").resume(words, max_tokens=3)
+    digits = ss.regex(tiny, "[0-9]+")("N: ", max_tokens=2)
+    with pytest.raises(ss.ArgumentError, match=r"a regex call, but this is a text generator"):
+        ss.text(tiny).resume(digits, max_tokens=3)
+    # the same kind resumes, and calling on the state starts a new call after it
+    assert ss.regex(tiny, "[0-9]+").resume(digits, max_tokens=3).shape == (1, 1)
+    assert ss.regex(tiny, "[0-9]+")(words, max_tokens=3).shape == (1, 1)

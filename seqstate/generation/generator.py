@@ -186,6 +186,8 @@ class Generator:
         for r in state.rows:
             last = r.last_span
             removed = ""
+            if resume and last is not None and last.end == len(r.tokens):
+                self._check_kind(last)
             if resume and last is not None and last.end == len(r.tokens) and (
                     r.cursors[-1] is not None or self._free_text(last)):
                 cursor, begin = r.cursors[-1], last.start
@@ -208,6 +210,16 @@ class Generator:
                                     replays)
         call.warn_unused()
         return state, requests, span_starts, healed
+
+    def _check_kind(self, span: Span) -> None:
+        """`ArgumentError` where ``span``, the call `resume` would continue, was made by
+        another kind of generator (resuming it would start a new call unasked)."""
+        kind = getattr(span.generator, "name", None)
+        if kind is not None and kind != self.name:
+            raise ArgumentError(f"resume() continues the state's last call, a {kind} call, but "
+                                f"this is a {self.name} generator; resume it with a {kind} "
+                                f"generator, or call this one on the state (gen(state)) to "
+                                f"start a new {self.name} call after it")
 
     def _free_text(self, span: Span) -> bool:
         """Whether ``span`` is free text that this (free-text) generator continues on resume."""
