@@ -222,6 +222,24 @@ def test_a_position_of_the_stored_prefix_is_refused(tiny):
         clean.run_with_cache(["blocks.0.hook_resid_pre"]).at("blocks.0.hook_resid_pre", 0)
 
 
+def test_a_stored_baseline_says_why_its_positions_are_out_of_reach(tiny):
+    def early(act, pos):
+        act[pos.at(3)] = 0
+
+    prompt = ss.from_tokens(tiny, [list(range(100, 112))])
+    # the tutorial's baseline stores nothing: a later hook still reaches every position
+    base = prompt.with_hooks({}).next_logprobs()
+    prompt.with_hooks({"blocks.0.hook_resid_pre": early}).next_logprobs()
+    # the obvious baseline stores the prompt, and the message says so
+    stored = ss.from_tokens(tiny, [list(range(200, 212))])
+    stored.next_logprobs()
+    with pytest.raises(ss.PrefixPositionError, match=r"an earlier call on these tokens stored "
+                       r"them.*state\.next_logprobs\(\); take a baseline that stores "
+                       r"nothing with state\.with_hooks\(\{\}\)\.next_logprobs\(\)"):
+        stored.with_hooks({"blocks.0.hook_resid_pre": early}).next_logprobs()
+    assert base.shape == prompt.next_logprobs().shape
+
+
 def test_unknown_names_are_refused_before_compute_listing_the_forms(tiny):
     _, clean, _ = _states(tiny)
     before = tiny.stats

@@ -72,7 +72,10 @@ class Positions:
                 raise PrefixPositionError(
                     f"position {want} of row {row} is in its stored prefix: positions "
                     f"0..{first - 1} were read from the store, not computed, so a hook can "
-                    f"neither read nor change them.  Compute them: pass start={want} to the "
-                    f"call (the positions from {want} on are computed; start=0 recomputes "
-                    f"the whole sequence, a full forward)")
+                    f"neither read nor change them (an earlier call on these tokens stored "
+                    f"them: a generator call, score(), or a baseline taken as "
+                    f"state.next_logprobs(); take a baseline that stores nothing with "
+                    f"state.with_hooks({{}}).next_logprobs()).  Compute them: pass "
+                    f"start={want} to the call (the positions from {want} on are computed; "
+                    f"start=0 recomputes the whole sequence, a full forward)")
         return self.tensor == wanted[:, None]
