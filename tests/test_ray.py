@@ -42,6 +42,15 @@ def _count(folder, name):
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def _cpus_freed():
+    """Whether the cluster's two CPUs are free again within ten seconds (actors killed)."""
+    for _ in range(50):
+        if ray.available_resources().get("CPU") == 2:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def tiny_factory(folder=None):
     if folder is not None:
         _mark(folder, "builds")
@@ -180,11 +189,7 @@ def test_a_worker_s_setup_error_ends_the_run(make, model, error):
     with pytest.raises(error):
         sray.run_batch(make, INPUTS, model=model, workers=2)
     assert time.monotonic() - start < 120
-    for _ in range(50):                                        # its actors were killed
-        if ray.available_resources().get("CPU") == 2:
-            break
-        time.sleep(0.2)
-    assert ray.available_resources().get("CPU") == 2
+    assert _cpus_freed()                                       # its actors were killed
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -222,3 +227,29 @@ def test_smollm2_equals_run_batch(real):
     products = ["kettle", "bicycle", "umbrella", "lamp", "tent", "chair", "desk", "clock"]
     got = sray.run_batch(chained, products, model=ss.models.default, workers=2)
     assert got == ss.run_batch(chained(real), products, progress=False)
+
+
+def make_sleeper(model, folder):
+    def sleeper(x):
+        _mark(folder, "calls")
+        time.sleep(5)
+        return x
+
+    return sleeper
+
+
+def test_ctrl_c_ends_the_run_and_kills_its_actors(tmp_path):
+    import _thread
+    import threading
+
+    def interrupt_once_a_program_runs():
+        while not (tmp_path / "calls").exists():
+            time.sleep(0.1)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_once_a_program_runs, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        sray.run_batch(functools.partial(make_sleeper, folder=str(tmp_path)), range(200),
+                       model=tiny_factory, workers=2)
+    assert _cpus_freed()
+    assert _count(tmp_path, "calls") < 200
