@@ -1,7 +1,9 @@
 """The saved-state format: a state's rows as versioned JSON bytes, readable without running code.
 
 ``state.dumps()`` writes it; ``ss.loads(model, data)`` (`seqstate.restore`) reads it back.
-What is saved is what a state *is*: each row's token ids, log-probs, generator calls' spans
+The document carries a digest of its fields: bytes changed after saving are refused
+(`seqstate.StateFormatError`), and states saved before the digest still load.  What is saved
+is what a state *is*: each row's token ids, log-probs, generator calls' spans
 (their finish reasons, values, option scores, capture names) and conversation record.  What a
 state merely *has* is not saved: KV (a cache, recomputed once from the tokens when first
 needed) and constraint cursors (recreated by replaying a call's tokens when it is resumed).
@@ -152,7 +154,19 @@ def encode_rows(model: Any, rows: Sequence[Row], shape: tuple[int, int]) -> byte
     doc = {"format": FORMAT, "version": VERSION, "model": getattr(model, "name", None),
            "tokenizer": tokenizer_id(model.vocab), "shape": list(shape),
            "rows": [_row(r) for r in rows]}
+    doc["digest"] = _doc_digest(doc)
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+_FIELDS = {"format", "version", "model", "tokenizer", "shape", "rows"}
+
+
+def _doc_digest(doc: dict) -> str:
+    """A digest of every field of a saved document but ``digest`` itself, as parsed (the
+    same whatever the JSON's spacing)."""
+    fields = {k: v for k, v in doc.items() if k != "digest"}
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def read(data: bytes) -> dict:
@@ -174,6 +188,12 @@ def read(data: bytes) -> dict:
         raise StateFormatError(f"saved-state format version {doc.get('version')!r}; this "
                                f"seqstate reads version {VERSION}: load it with the seqstate "
                                "that saved it, or a newer one")
+    # states saved before the digest have none, and no other field
+    if set(doc) - _FIELDS != ({"digest"} if "digest" in doc else set()) or (
+            "digest" in doc and doc["digest"] != _doc_digest(doc)):
+        raise StateFormatError("a damaged saved state: its digest does not match its content "
+                               "(the bytes were changed after state.dumps() wrote them); load "
+                               "an intact copy")
     return doc
 
 

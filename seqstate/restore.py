@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from seqstate.conversation import Conversation
-from seqstate.errors import ArgumentError, ModelMismatch
+from seqstate.errors import ArgumentError, ModelMismatch, StateFormatError
 from seqstate.persist import SavedState, class_name, decode_rows, read, tokenizer_id
 from seqstate.rows import Row
 from seqstate.state import SequenceState
@@ -44,7 +44,9 @@ def loads(model: Any, data: bytes | SavedState, *, types: Iterable[type] = ()) -
     ModelMismatch
         ``model`` has another tokenizer than the one the state was saved under.
     StateFormatError
-        ``data`` is not a saved state, or one of a newer format version.
+        ``data`` is not a saved state, one of a newer format version, or a damaged one:
+        its digest does not match its content, or it holds a token id outside ``model``'s
+        vocabulary.
 
     Examples
     --------
@@ -69,6 +71,11 @@ def loads(model: Any, data: bytes | SavedState, *, types: Iterable[type] = ()) -
         raise ModelMismatch(f"this state was {why}; load it on a model with the tokenizer it "
                             "was saved under")
     rows, batch, samples = decode_rows(doc, Conversation, {class_name(t): t for t in types})
+    size = model.vocab.size
+    for i, row in enumerate(rows):
+        if any(not 0 <= t < size for t in row.tokens):
+            raise StateFormatError(f"a damaged saved state: row {i} holds a token id outside "
+                                   f"{model.name!r}'s vocabulary (0..{size - 1})")
     return SequenceState(model, tuple(rows), batch, samples)
 
 

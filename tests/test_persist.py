@@ -5,7 +5,10 @@ continues exactly as the original."""
 import base64
 import json
 import pickle
+import random
 import re
+
+import numpy as np
 
 import pydantic
 import pytest
@@ -130,6 +133,7 @@ def test_another_tokenizer_is_model_mismatch(tiny, gemma):
 
 def test_another_tokenizer_of_the_same_model_name_says_so(tiny):
     doc = json.loads(ss.text(tiny)("Hello", max_tokens=2).dumps())
+    del doc["digest"]                   # as a state saved before the digest, edited
     other = json.dumps(dict(doc, tokenizer="0" * 32)).encode()     # a revision's tokenizer
     with pytest.raises(ss.ModelMismatch, match=rf"a model also named {re.escape(repr(tiny.name))} whose "
                                                r"tokenizer differs.*digest 000000000000 saved"):
@@ -138,6 +142,27 @@ def test_another_tokenizer_of_the_same_model_name_says_so(tiny):
     with pytest.raises(ss.ModelMismatch, match=r"saved under 'other', whose tokenizer is not "
                                                + re.escape(f"{tiny.name!r}'s")):
         ss.loads(tiny, renamed)
+
+
+def test_a_damaged_saved_state_is_refused(tiny):
+    state = ss.text(tiny)("Damage me", max_tokens=6, name="x")
+    data = state.dumps()
+    rng = random.Random(0)
+    for at in rng.sample(range(len(data)), 60):        # single-byte flips anywhere
+        flipped = bytearray(data)
+        flipped[at] ^= 1 << rng.randrange(8)
+        with pytest.raises(ss.StateFormatError):
+            ss.loads(tiny, bytes(flipped))
+    doc = json.loads(data)
+    # a state saved before the digest still loads; one with an id past the vocabulary not
+    old = dict(doc)
+    del old["digest"]
+    _same(ss.loads(tiny, json.dumps(old).encode()), state)
+    row = dict(old["rows"][0], tokens=base64.b64encode(
+        np.array([1, tiny.vocab.size + 5], dtype="<i4").tobytes()).decode(),
+        logprobs=base64.b64encode(np.full(2, np.nan).tobytes()).decode(), spans=[])
+    with pytest.raises(ss.StateFormatError, match="outside .* vocabulary"):
+        ss.loads(tiny, json.dumps(dict(old, rows=[row])).encode())
 
 
 def test_data_that_is_no_state_is_refused(tiny):
@@ -152,6 +177,7 @@ def test_data_that_is_no_state_is_refused(tiny):
         ss.loads(tiny, json.dumps(doc).encode())
     # a class named in the data is never imported or called
     doc = json.loads(data)
+    del doc["digest"]                   # as a state saved before the digest, edited
     doc["rows"][0]["spans"][0]["value"] = {"$pydantic": "os:system", "json": "echo owned"}
     assert ss.loads(tiny, json.dumps(doc).encode()).value == "echo owned"
 
