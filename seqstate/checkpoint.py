@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from seqstate.checkpoint_identity import input_key, is_model, model_key, models_of, run_identity
+from seqstate.checkpoint_identity import input_key, model_key, models_of, run_identity
 from seqstate.conversation import Conversation
 from seqstate.errors import CheckpointError, StateFormatError
 from seqstate.persist import SavedState, class_name, decode_rows, from_json, read, to_json
@@ -45,8 +45,6 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS results (
     idx INTEGER PRIMARY KEY, input TEXT NOT NULL, data BLOB NOT NULL, digest TEXT NOT NULL);
 """
-
-_is_model = is_model        # the name seqstate.ray imports
 
 
 def results(path: str | os.PathLike, *, models: Iterable[Any] = (),
