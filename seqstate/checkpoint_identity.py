@@ -57,7 +57,8 @@ def program_id(program: Callable, key: str | None = None) -> str:
     defaults = [getattr(func, "__defaults__", None), getattr(func, "__kwdefaults__", None)]
     if any(defaults):
         bound.append(defaults)
-    name = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}"
+    qualname = getattr(func, "__qualname__", type(func).__name__)
+    name = f"{getattr(func, '__module__', '?')}.{qualname}"
     text = (_source(func, name) if hasattr(func, "__code__") else "") + (
         _bound_text(bound) if bound else "")
     return f"{name}:{digest(text)}" if text else name
