@@ -201,28 +201,31 @@ def _gguf_metadata(gguf: str | os.PathLike, keys: tuple[str, ...]) -> dict[str, 
     return found
 
 
+# the GGUF's flags for the special tokens a tokenizer adds: (flag, the token's id attribute,
+# where in a prompt it goes)
+_ADDED_SPECIALS = (("add_bos_token", "bos_token_id", 0), ("add_eos_token", "eos_token_id", -1))
+
+
 def _add_specials_as_the_file_says(tok: Any, gguf: Path) -> None:
     """Make ``tok`` add BOS (and EOS) to a prompt exactly where the GGUF file says to
     (``tokenizer.ggml.add_bos_token``): transformers 5.22 converts Gemma 3's tokenizer without
     the BOS that 5.23 adds, and Gemma without its BOS writes nonsense."""
-    flags = _gguf_metadata(gguf, ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token"))
-    for which in ("bos", "eos"):
-        want = flags.get(f"tokenizer.ggml.add_{which}_token")
-        special = getattr(tok, f"{which}_token_id")
-        if want is None or special is None or _adds(tok, which) == bool(want):
+    flags = _gguf_metadata(gguf, tuple(f"tokenizer.ggml.{flag}" for flag, _, _ in _ADDED_SPECIALS))
+    for flag, id_name, where in _ADDED_SPECIALS:
+        want, special = flags.get(f"tokenizer.ggml.{flag}"), getattr(tok, id_name)
+        if want is None or special is None or _adds(tok, special, where) == bool(want):
             continue
-        setattr(tok, f"add_{which}_token", bool(want))
-        if _adds(tok, which) != bool(want):
+        setattr(tok, flag, bool(want))
+        if _adds(tok, special, where) != bool(want):
             raise ModelNotAvailable(
-                f"{gguf.name} says add_{which}_token={bool(want)}, and the tokenizer transformers "
-                f"converts from it cannot be made to follow it; install another transformers")
+                f"{gguf.name} says {flag}={bool(want)}, and the tokenizer transformers converts "
+                "from it cannot be made to follow it; install another transformers")
 
 
-def _adds(tok: Any, which: str) -> bool:
-    """Whether ``tok`` puts its BOS first (``which="bos"``) or its EOS last on a prompt."""
+def _adds(tok: Any, special: int, where: int) -> bool:
+    """Whether ``tok`` puts the token ``special`` at index ``where`` of a prompt's ids."""
     ids = tok("a").input_ids
-    special = getattr(tok, f"{which}_token_id")
-    return bool(ids) and ids[0 if which == "bos" else -1] == special
+    return bool(ids) and ids[where] == special
 
 
 def default_tokenizer() -> Any:
