@@ -69,6 +69,10 @@ INTERNAL: dict[tuple[str, str, str], str] = {
         "an abstract method with a message: every chat record is a conversation.Conversation",
     ("seqstate/rows.py", "Chat.reply", "NotImplementedError"):
         "an abstract method with a message: every chat record is a conversation.Conversation",
+    ("seqstate/backends/vllm/pool.py", "Pool.call", "AssertionError"):
+        "after the loop over attempts, which raises EngineError when none is left: unreachable",
+    ("seqstate/backends/vllm/pool.py", "Pool.post", "AssertionError"):
+        "after the first step of a request that streams nothing: unreachable",
     ("seqstate/constraints/grammar.py", "_Tokens.__call__", "TypeError"):
         "llguidance's protocol: it probes the tokenizer with bytes and expects TypeError",
     ("seqstate/constraints/grammar.py", "GrammarConstraint.parse", "ValueError"):

@@ -18,7 +18,7 @@ ROOT = pathlib.Path(seqstate.__file__).parent
 
 # The modules of an engine's folder that build models (above the engine layer, beside
 # `seqstate.models`); the rest of the folder is the backend.
-ENGINE_MODEL_LAYER = ("model", "loader", "server", "serve")
+ENGINE_MODEL_LAYER = ("model", "loader", "server", "serve", "gateway")
 # Every engine folder's shape.
 ENGINE_SHAPE = ("backend", "model", "loader")
 
