@@ -13,11 +13,10 @@ import time
 
 import numpy as np
 import pytest
+import ray
 
 import seqstate as ss
-
-ray = pytest.importorskip("ray")
-import seqstate.ray as sray  # noqa: E402
+import seqstate.ray as sray
 
 
 @pytest.fixture(scope="module", autouse=True)
