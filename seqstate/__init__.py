@@ -3,7 +3,7 @@
 from seqstate import (activations, backends, constraints, engine, grammars, hooks, models,
                       sampling, viz)
 from seqstate.programs import BatchError, arun_batch, run_batch
-from seqstate.checkpoint import results as checkpoint_results
+from seqstate.checkpoint import checkpoint_results
 from seqstate.conversation import chat
 from seqstate.errors import (ActivationHookError, ArgumentError, AuthenticationError,
                              BatchMismatch, CacheFullError, CallTimeout, CapabilityError,

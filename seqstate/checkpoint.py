@@ -36,7 +36,7 @@ from seqstate.persist import SavedState, class_name, decode_rows, from_json, rea
 from seqstate.persist import tokenizer_id
 from seqstate.state import SequenceState
 
-__all__ = ["Checkpoint", "results"]
+__all__ = ["Checkpoint", "checkpoint_results"]
 
 VERSION = 2         # 2: the program by its source or key (1: by its bytecode)
 
@@ -47,8 +47,8 @@ CREATE TABLE IF NOT EXISTS results (
 """
 
 
-def results(path: str | os.PathLike, *, models: Iterable[Any] = (),
-            types: Iterable[type] = ()) -> dict[int, Any]:
+def checkpoint_results(path: str | os.PathLike, *, models: Iterable[Any] = (),
+                       types: Iterable[type] = ()) -> dict[int, Any]:
     """The results a checkpoint holds, by input index, read without its program (a
     checkpoint another program's run refuses stays readable).
 
@@ -68,7 +68,8 @@ def results(path: str | os.PathLike, *, models: Iterable[Any] = (),
     >>> import pathlib, tempfile
     >>> import seqstate as ss
     >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.sqlite"
-    >>> ss.run_batch(len, ["ab", "abc"], checkpoint=path, key="lengths", progress=False)
+    >>> ss.run_batch(len, ["ab", "abc"], checkpoint=path, key="lengths",
+    ...              progress=False)
     [2, 3]
     >>> ss.checkpoint_results(path)
     {0: 2, 1: 3}
