@@ -214,8 +214,8 @@ class Generator:
     def _check_kind(self, span: Span) -> None:
         """`ArgumentError` where ``span``, the call `resume` would continue, was made by
         another kind of generator (resuming it would start a new call unasked)."""
-        kind = getattr(span.generator, "name", None)
-        if kind is not None and kind != self.name:
+        kind = span.generator.name
+        if kind != self.name:
             raise ArgumentError(f"resume() continues the state's last call, a {kind} call, but "
                                 f"this is a {self.name} generator; resume it with a {kind} "
                                 f"generator, or call this one on the state (gen(state)) to "
