@@ -44,8 +44,8 @@ class Decoding:
     --------
     >>> import seqstate as ss
     >>> from seqstate.engine import Decoding
-    >>> Decoding(ss.multinomial(), hooks=[print]).hooks
-    (<built-in function print>,)
+    >>> Decoding(ss.multinomial(), hooks=[len]).hooks
+    (<built-in function len>,)
     """
 
     sampler: Sampler = Greedy()
