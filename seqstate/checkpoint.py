@@ -32,7 +32,8 @@ from typing import Any
 from seqstate.checkpoint_identity import input_key, model_key, models_of, run_identity
 from seqstate.conversation import Conversation
 from seqstate.errors import CheckpointError, StateFormatError
-from seqstate.persist import SavedState, class_name, decode_rows, from_json, read, to_json
+from seqstate.persist import (Classes, SavedState, class_name, decode_rows, from_json, read,
+                              to_json)
 from seqstate.persist import tokenizer_id
 from seqstate.state import SequenceState
 
@@ -76,7 +77,7 @@ def checkpoint_results(path: str | os.PathLike, *, models: Iterable[Any] = (),
     """
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint file at {str(path)!r}")
-    models, given = list(models), {class_name(t): t for t in types}
+    models, given = list(models), Classes(types)
 
     def state(data: dict) -> Any:
         doc = _state_doc(data)
@@ -117,7 +118,7 @@ class Checkpoint:
                  key: str | None = None, types: Iterable[type] = ()) -> None:
         self.path = path
         self.models = models_of(program)
-        self.types = {class_name(t): t for t in types}
+        self.classes = Classes(types)
         self.inputs = [input_key(i, x) for i, x in enumerate(inputs)]
         identity = run_identity(program, key, self.models, self.inputs, VERSION)
         self._lock = threading.Lock()
@@ -174,7 +175,7 @@ class Checkpoint:
         ``types``."""
         with self._lock, self._sqlite_errors("read"):
             rows = self._db.execute("SELECT idx, input, data, digest FROM results").fetchall()
-        classes = _Given(self.types)
+        classes = Classes(self.classes.given.values())
         out = {}
         for idx, key, data, _ in _intact(rows):
             if 0 <= idx < len(self.inputs) and key == self.inputs[idx]:
@@ -214,7 +215,7 @@ class Checkpoint:
         ``types`` (a resumed run could not rebuild it)."""
         cls = type(value)
         if (hasattr(cls, "model_validate") or hasattr(cls, "_member_map_")) and \
-                self.types.get(class_name(cls)) is not cls:
+                self.classes.find(class_name(cls)) is not cls:
             raise StateFormatError(f"it holds a {class_name(cls)}, a class not among types=; "
                                    f"pass run_batch(..., types=[{cls.__qualname__}, ...]) so "
                                    "that a resumed run rebuilds it (a class defined at a "
@@ -242,25 +243,12 @@ class Checkpoint:
                 self._given(span.value)
         return {"$state": json.loads(value.dumps())}
 
-    def _decode_state(self, data: dict, classes: _Given) -> Any:
+    def _decode_state(self, data: dict, classes: Classes) -> Any:
         doc = _state_doc(data)
         for model in self.models.values():
             if _belongs(doc, model):
                 return _state(doc, model, classes)
         raise StateFormatError("a stored state's model is not the program's")
-
-
-class _Given:
-    """The classes given (``types=``) by `class_name`; ``missing`` collects the names asked
-    for and not given."""
-
-    def __init__(self, types: dict[str, type]) -> None:
-        self.types, self.missing = types, set()
-
-    def get(self, name: str) -> type | None:
-        if name not in self.types:
-            self.missing.add(name)
-        return self.types.get(name)
 
 
 def _state_doc(data: dict) -> dict:

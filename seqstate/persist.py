@@ -22,7 +22,7 @@ import enum
 import hashlib
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,51 @@ VERSION = 1
 def class_name(cls: type) -> str:
     """``module:qualname``: how a class is named in saved data."""
     return f"{cls.__module__}:{cls.__qualname__}"
+
+
+class Classes:
+    """The classes a caller gave (``types=``), found by the name saved data holds.
+
+    The rule: a saved ``module:qualname`` names the given class of that module and qualified
+    name; where the saved module or the given class's module is ``__main__`` (a class defined
+    in the script that was run), the qualified name alone, if one given class has it.  So a
+    class saved by a script and loaded by a module that imports it from that script matches.
+    ``missing`` collects the saved names no given class matched; ``used`` the classes found.
+    """
+
+    def __init__(self, types: Iterable[type] = ()) -> None:
+        self.given = {class_name(t): t for t in types}
+        self.missing: set[str] = set()
+        self.used: set[type] = set()
+
+    def find(self, name: str) -> type | None:
+        """The given class the saved ``name`` names, by the rule; None if none."""
+        if name in self.given:
+            return self.given[name]
+        module, _, qualname = name.partition(":")
+        same = [t for t in self.given.values()
+                if t.__qualname__ == qualname and "__main__" in (module, t.__module__)]
+        return same[0] if len(same) == 1 else None
+
+    def get(self, name: str) -> type | None:
+        """`find`, recording the name as ``missing`` or its class as ``used``."""
+        cls = self.find(name)
+        if cls is None:
+            self.missing.add(name)
+        else:
+            self.used.add(cls)
+        return cls
+
+    def unmatched(self) -> str | None:
+        """Where classes were given, none of them used, and saved names left unmatched: what
+        to say (the values stayed JSON); else None."""
+        unused = set(self.given.values()) - self.used
+        if not self.missing or not unused:
+            return None
+        return (f"the saved values name {', '.join(sorted(self.missing))}, which the given "
+                f"{', '.join(sorted(class_name(t) for t in unused))} did not match (a class "
+                "matches by module and qualified name, or by qualified name alone where one "
+                "side is __main__); pass the classes the values were saved from")
 
 
 def tokenizer_id(vocab: Any) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 from seqstate.conversation import Conversation
 from seqstate.errors import ArgumentError, ModelMismatch, StateFormatError
-from seqstate.persist import SavedState, class_name, decode_rows, read, tokenizer_id
+from seqstate.persist import Classes, SavedState, decode_rows, read, tokenizer_id
 from seqstate.rows import Row
 from seqstate.state import SequenceState
 
@@ -37,7 +37,9 @@ def loads(model: Any, data: bytes | SavedState, *, types: Iterable[type] = ()) -
         What ``state.dumps()`` returned, or what ``pickle.loads`` gave for a pickled state.
     types : iterable of classes, optional
         Pydantic models and enums to rebuild values of: a value saved from one of these
-        classes is re-validated into it; other such values stay their JSON (a dict).
+        classes is re-validated into it; other such values stay their JSON (a dict).  A
+        class matches the saved ``module:qualname``, or its qualified name alone where the
+        class was saved from, or is given from, ``__main__`` (a script's own classes).
 
     Raises
     ------
@@ -46,7 +48,8 @@ def loads(model: Any, data: bytes | SavedState, *, types: Iterable[type] = ()) -
     StateFormatError
         ``data`` is not a saved state, one of a newer format version, or a damaged one:
         its digest does not match its content, or it holds a token id outside ``model``'s
-        vocabulary.
+        vocabulary; or ``types`` were given and none matched the classes the values were
+        saved from.
 
     Examples
     --------
@@ -70,7 +73,10 @@ def loads(model: Any, data: bytes | SavedState, *, types: Iterable[type] = ()) -
                else f"saved under {saved!r}, whose tokenizer is not {model.name!r}'s")
         raise ModelMismatch(f"this state was {why}; load it on a model with the tokenizer it "
                             "was saved under")
-    rows, batch, samples = decode_rows(doc, Conversation, {class_name(t): t for t in types})
+    classes = Classes(types)
+    rows, batch, samples = decode_rows(doc, Conversation, classes)
+    if (unmatched := classes.unmatched()) is not None:
+        raise StateFormatError(unmatched)
     size = model.vocab.size
     for i, row in enumerate(rows):
         if any(not 0 <= t < size for t in row.tokens):

@@ -61,6 +61,25 @@ def test_pydantic_values_are_json_unless_their_class_is_given(tiny):
     assert isinstance(typed, Pet) and typed == s.value
 
 
+def test_a_class_saved_from_a_script_matches_the_class_imported_from_it(tiny):
+    """A script's classes are ``__main__``'s when it saves; a program that imports the
+    script loads them by qualified name.  Given classes that match nothing are refused."""
+    fields = {name: (f.annotation, f) for name, f in Pet.model_fields.items()}
+    script_pet = pydantic.create_model("Pet", __module__="__main__", **fields)
+    s = ss.json(tiny, script_pet)("Pet: ", max_tokens=60)
+    assert isinstance(s.value, script_pet), s.generated
+    typed = ss.loads(tiny, s.dumps(), types=[Pet]).value
+    assert type(typed) is Pet and typed.model_dump() == s.value.model_dump()
+
+    class Dog(pydantic.BaseModel):
+        name: str
+
+    with pytest.raises(ss.StateFormatError, match=r"__main__:Pet.*test_persist:.*Dog "
+                                                  r"did not match"):
+        ss.loads(tiny, s.dumps(), types=[Dog])
+    assert ss.loads(tiny, s.dumps(), types=[Dog, Pet]).value == typed
+
+
 def test_conversations_continue_after_loading(tiny):
     s = ss.chat(tiny).system("Be brief.").user("Name a fruit.")
     s = s.assistant(ss.text(tiny), max_tokens=5, name="fruit")
