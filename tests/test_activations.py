@@ -222,6 +222,21 @@ def test_a_position_of_the_stored_prefix_is_refused(tiny):
         clean.run_with_cache(["blocks.0.hook_resid_pre"]).at("blocks.0.hook_resid_pre", 0)
 
 
+def test_a_position_past_a_row_s_end_is_an_argument_error(tiny):
+    """Not a stored-prefix error: the message names the row's positions."""
+    prompt = ss.from_tokens(tiny, [list(range(100, 112))])
+    run = prompt.with_hooks({}, start=0).run_with_cache(["blocks.0.hook_resid_pre"])
+    for position in (12, -13):
+        with pytest.raises(ss.ArgumentError, match=rf"position {position} is past the end "
+                                                   r"of row 0, whose positions are 0\.\.11 "
+                                                   r"\(-12\.\.-1 from its end\)"):
+            run.at("blocks.0.hook_resid_pre", position)
+    with pytest.raises(ss.ArgumentError, match="2 positions for 1 rows"):
+        run.positions.at([0, 1])
+    assert run.at("blocks.0.hook_resid_pre", -12).shape == run.at(
+        "blocks.0.hook_resid_pre", 0).shape
+
+
 def test_a_stored_baseline_says_why_its_positions_are_out_of_reach(tiny):
     def early(act, pos):
         act[pos.at(3)] = 0

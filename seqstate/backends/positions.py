@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from seqstate.errors import PrefixPositionError
+from seqstate.errors import ArgumentError, PrefixPositionError
 
 __all__ = ["Positions"]
 
@@ -54,20 +54,22 @@ class Positions:
         """A ``(rows, columns)`` boolean mask of ``position`` in every row (negative: from
         each row's end), or of ``position[r]`` in row ``r`` (one per row).
         `seqstate.PrefixPositionError` where a row's position is in its stored prefix: its
-        activation was never computed, so no hook can read or change it there."""
+        activation was never computed, so no hook can read or change it there;
+        `seqstate.ArgumentError` for a position past a row's end or a count of positions
+        other than the rows'."""
         try:
             each = [operator.index(position)] * len(self.lengths)
         except TypeError:
             each = [operator.index(p) for p in position]
         if len(each) != len(self.lengths):
-            raise PrefixPositionError(f"{len(each)} positions for {len(self.lengths)} rows: "
-                                      f"give one int, or one per row")
+            raise ArgumentError(f"{len(each)} positions for {len(self.lengths)} rows: "
+                                f"give one int, or one per row")
         wanted = torch.tensor([p + n if p < 0 else p for p, n in zip(each, self.lengths)],
                               device=self.tensor.device)
         for row, (want, first, n) in enumerate(zip(wanted.tolist(), self.computed, self.lengths)):
             if not 0 <= want < n:
-                raise PrefixPositionError(f"position {each[row]} is outside row {row}, whose "
-                                          f"positions are 0..{n - 1}")
+                raise ArgumentError(f"position {each[row]} is past the end of row {row}, "
+                                    f"whose positions are 0..{n - 1} (-{n}..-1 from its end)")
             if want < first:
                 raise PrefixPositionError(
                     f"position {want} of row {row} is in its stored prefix: positions "
