@@ -68,6 +68,20 @@ def _homed(model, index: int) -> str:
             return prompt
 
 
+def _equal_to_one_server(vllm, real, prompt, root, more, forks, scores, where):
+    """The lineage's states (a root, its continuation, its forks, its scores) equal what one
+    server gives for the same program; returns that server's root."""
+    one = ss.text(vllm)
+    reference = one(prompt, max_tokens=6)
+    assert root.token_ids == reference.token_ids
+    assert more.token_ids == one(reference + " Then", max_tokens=6).token_ids
+    assert forks.token_ids == one(reference, num_samples=2, max_tokens=4,
+                                  sampler=ss.multinomial(), seed=3).token_ids
+    assert_close(scores.sums, reference.score([" yes", " no"]).sums, real,
+                 f"scores: {where} vs one server")
+    return reference
+
+
 def test_a_lineage_stays_on_one_replica_with_one_servers_results(vllm, pool, real):
     prompt = _fresh()
     gen = ss.text(pool)
@@ -84,15 +98,9 @@ def test_a_lineage_stays_on_one_replica_with_one_servers_results(vllm, pool, rea
     assert sum(1 for u in used if u) == 1, used                 # every request: one replica
     assert (pool.stats - stats).cached_tokens_reused >= len(pool.encode_prompt(prompt)) // 2
 
+    reference = _equal_to_one_server(vllm, real, prompt, root, more, forks, scores, "pool")
     one = ss.text(vllm)
-    reference = one(prompt, max_tokens=6)
-    assert root.token_ids == reference.token_ids
-    assert more.token_ids == one(reference + " Then", max_tokens=6).token_ids
-    assert forks.token_ids == one(reference, num_samples=2, max_tokens=4,
-                                  sampler=ss.multinomial(), seed=3).token_ids
     assert beams.token_ids == one(reference, max_tokens=3, sampler=ss.beam_search(2)).token_ids
-    assert_close(scores.sums, reference.score([" yes", " no"]).sums, real,
-                 "scores: pool vs one server")
     assert done.token_ids == ss.regex(vllm, r"[0-9]{3}-[0-9]{2}").resume(
         ss.regex(vllm, r"[0-9]{3}-[0-9]{2}")(reference, max_tokens=3), max_tokens=8).token_ids
 
@@ -107,6 +115,7 @@ def test_new_roots_spread_over_the_replicas_and_replicas_report_themselves(pool,
     report = pool.replicas
     assert [(r.url, r.rank, r.health, r.load) for r in report] == [
         (vllm_server.url, None, "up", 0), (second.url, None, "up", 0)]
+    assert all(0 <= r.seen < 60 for r in report)        # each answered a request just now
 
 
 def _finished(url: str) -> float:
@@ -142,14 +151,8 @@ def test_through_vllm_router_a_lineage_stays_on_one_server_with_one_servers_resu
                 scores = root.score([" yes", " no"])
                 used = [_finished(url) - b for url, b in zip(servers, before)]
                 assert sum(1 for u in used if u) == 1, used     # every request: one server
-                one = ss.text(vllm)
-                reference = one(prompt, max_tokens=6)
-                assert root.token_ids == reference.token_ids
-                assert more.token_ids == one(reference + " Then", max_tokens=6).token_ids
-                assert forks.token_ids == one(reference, num_samples=2, max_tokens=4,
-                                              sampler=ss.multinomial(), seed=3).token_ids
-                assert_close(scores.sums, reference.score([" yes", " no"]).sums, real,
-                             "scores: through the router vs one server")
+                _equal_to_one_server(vllm, real, prompt, root, more, forks, scores,
+                                     "through the router")
         finally:
             model.close()
 

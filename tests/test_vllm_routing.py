@@ -18,7 +18,8 @@ from seqstate.backends.vllm import metrics
 from seqstate.backends.vllm.backend import VllmBackend
 from seqstate.backends.vllm.client import Client, ServerDown
 from seqstate.backends.vllm.pool import PROBE_AFTER, SESSION_HEADER, Health, Pool, Replica
-from seqstate.backends.vllm.routing import Lineage, Router, Sessions, block_hashes, rendezvous
+from seqstate.backends.vllm.routing import (LINEAGE_SPILL, Lineage, Router, Sessions,
+                                           block_hashes, rendezvous)
 from seqstate.vllm import free_port
 from seqstate.finish import FinishReason
 
@@ -49,9 +50,17 @@ def test_continuations_forks_and_scores_follow_their_prefix():
         assert router.route(root, IDLE) == home                      # a fork (same prompt)
         assert router.route(generated + [5, 6, 7], IDLE) == home     # its continuation
         assert router.route(root[:180] + [9] * 5, IDLE) == home      # a slice, then a score
-        # even where the home is busier than the rest: a lineage does not spill
-        busy = {r: (50 if r == home else 0) for r in IDLE}
+        # where the home is busier than the rest, a lineage stays up to its own threshold
+        busy = {r: (LINEAGE_SPILL if r == home else 0) for r in IDLE}
         assert router.route(generated + [1], busy) == home
+        # past it, it moves to the least loaded (a wide fork of a long state), and its
+        # continuations follow it there
+        busy = {r: (LINEAGE_SPILL + 1 if r == home else 3 if r == (home + 1) % 3 else 0)
+                for r in IDLE}
+        moved = router.route(generated + [1], busy)
+        assert moved == (home + 2) % 3
+        router.record(generated + [1], moved)
+        assert router.route(generated + [1, 2], IDLE) == moved
 
 
 def test_a_new_root_goes_home_the_same_on_every_client_and_spills_only_past_the_threshold():
@@ -124,6 +133,10 @@ def test_health_goes_down_waits_doubling_and_comes_back():
     assert health.due() and health.reason == "connection refused"
     health.succeed()
     assert health.up and not health.due() and health.failures == 0
+    # its age: how long ago an answer (or a failure) last said it
+    assert health.age() == 0.0
+    now[0] += 42.0
+    assert health.age() == 42.0 and Health(clock=lambda: now[0]).age() is None
 
 
 def test_metrics_name_the_engines_the_block_size_and_the_cache_counters():

@@ -73,8 +73,10 @@ class Health:
         self.failures = 0
         self.retry_at = 0.0
         self.reason = ""
+        self.seen_at: float | None = None   # when an answer (or a failure) last said it
 
     def fail(self, reason: str) -> None:
+        self.seen_at = self.clock()
         self.up = False
         self.failures += 1
         self.reason = reason
@@ -83,6 +85,11 @@ class Health:
 
     def succeed(self) -> None:
         self.up, self.failures, self.reason = True, 0, ""
+        self.seen_at = self.clock()
+
+    def age(self) -> float | None:
+        """Seconds since the health was last seen (None: never, since the pool was made)."""
+        return None if self.seen_at is None else self.clock() - self.seen_at
 
     def due(self) -> bool:
         """Whether a down replica's next probe is due."""
@@ -101,8 +108,11 @@ class Health:
 class ReplicaInfo:
     """What ``model.replicas`` reports of one replica: its ``url``, its data-parallel
     ``rank`` (None: the server's own balancing), ``health`` (``"up"`` or ``"down"``),
-    ``load`` (this client's requests in flight there), ``served`` (requests it answered)
-    and, when down, ``reason`` (the failure that put it down)."""
+    ``load`` (this client's requests in flight there), ``served`` (requests it answered),
+    when down ``reason`` (the failure that put it down), and ``seen``: seconds since its
+    health was last seen, by an answer, a failure or a probe (None: never).  A replica that
+    died while no request of this client reached it still reads ``"up"``: ``seen`` says how
+    old that reading is."""
 
     url: str
     rank: int | None
@@ -110,6 +120,7 @@ class ReplicaInfo:
     load: int
     served: int
     reason: str = ""
+    seen: float | None = None
 
 
 class Replica:
@@ -137,7 +148,7 @@ class Replica:
 
     def info(self) -> ReplicaInfo:
         return ReplicaInfo(self.client.url, self.rank, "up" if self.health.up else "down",
-                           self.load, self.served, self.health.reason)
+                           self.load, self.served, self.health.reason, self.health.age())
 
 
 class Pool:

@@ -13,7 +13,9 @@ computed each block (`Lineage`, least recently used first out).  A request goes 
    block-aligned tokens, the same on every client and stable when a replica leaves (only the
    roots it held move);
 3. a new root **spills** to the least-loaded replica where its choice has more than
-   ``spill`` requests in flight beyond that one's.
+   ``spill`` requests in flight beyond that one's; a lineage only past ``lineage_spill``
+   (`LINEAGE_SPILL`, larger: moving it recomputes its prefix there once, and a wide fork or
+   beam of a long state should not queue on one replica while the others idle).
 
 A router in front of replicas (vllm-router's ``consistent_hash``, SGLang's gateway, Dynamo)
 hashes a header instead: `Sessions` gives each request a lineage key by the same rules, for
@@ -43,10 +45,11 @@ from collections.abc import Container, Mapping, Sequence
 from seqstate.errors import ArgumentError
 
 __all__ = ["Router", "Sessions", "Lineage", "block_hashes", "rendezvous", "BLOCK", "SPILL",
-           "LINEAGE_BLOCKS"]
+           "LINEAGE_SPILL", "LINEAGE_BLOCKS"]
 
 BLOCK = 16               # vLLM's default block size, where a server does not say its own
 SPILL = 4                # in-flight requests a new root's replica may carry beyond the least
+LINEAGE_SPILL = 16       # ... and a lineage's replica
 LINEAGE_BLOCKS = 1 << 17  # blocks remembered (each a digest and a replica: a few MiB)
 
 
@@ -114,14 +117,18 @@ class Router:
     spill : int
         How many more requests in flight than the least-loaded replica a new root's
         replica may carry before the root goes to the least-loaded one instead.
+    lineage_spill : int
+        The same for a request whose prefix lives on a replica (larger than ``spill``).
     names : mapping of int to str or None
         Each replica's stable name (its URL and rank) for `rendezvous`; None: the indices.
     """
 
     def __init__(self, block: int = BLOCK, spill: int = SPILL,
-                 names: Mapping[int, str] | None = None) -> None:
+                 names: Mapping[int, str] | None = None,
+                 lineage_spill: int = LINEAGE_SPILL) -> None:
         self.block = block
         self.spill = spill
+        self.lineage_spill = max(lineage_spill, spill)
         self.names = dict(names) if names is not None else None
         self.lineage = Lineage()
 
@@ -133,14 +140,14 @@ class Router:
                                 "maps each replica that can serve to its requests in flight)")
         hashes = block_hashes(tokens, self.block)
         depth, replica = self.lineage.longest(hashes, loads)
+        spill = self.spill
         if depth and 2 * depth * self.block >= len(tokens):
-            return replica                                   # where its prefix lives
-        if not depth:
+            spill = self.lineage_spill                       # where its prefix lives
+        elif not depth:
             key = hashes[0] if hashes else array("q", tokens).tobytes()
             names = self.names or {r: str(r) for r in loads}
             replica = rendezvous(key, sorted(loads), names)  # its home
-        least = min(loads.values())
-        if loads[replica] - least > self.spill:              # uneven past the threshold
+        if loads[replica] - min(loads.values()) > spill:     # uneven past the threshold
             replica = min(sorted(loads), key=lambda r: loads[r])
         return replica
 
