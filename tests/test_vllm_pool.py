@@ -116,6 +116,12 @@ def test_new_roots_spread_over_the_replicas_and_replicas_report_themselves(pool,
     assert [(r.url, r.rank, r.health, r.load) for r in report] == [
         (vllm_server.url, None, "up", 0), (second.url, None, "up", 0)]
     assert all(0 <= r.seen < 60 for r in report)        # each answered a request just now
+    for url in (vllm_server.url, second.url):           # the load the pool reads is there
+        client = Client(url)
+        try:
+            assert list(metrics.requests(metrics.parse(client.text("/metrics")))) == ["0"]
+        finally:
+            client.close()
 
 
 def _finished(url: str) -> float:

@@ -15,6 +15,7 @@ import pytest
 
 import seqstate as ss
 from seqstate.backends.vllm import metrics
+from seqstate.backends.vllm import pool as pool_module
 from seqstate.backends.vllm.backend import VllmBackend
 from seqstate.backends.vllm.client import Client, ServerDown
 from seqstate.backends.vllm.pool import PROBE_AFTER, SESSION_HEADER, Health, Pool, Replica
@@ -154,13 +155,21 @@ def test_metrics_name_the_engines_the_block_size_and_the_cache_counters():
 
 
 class _Client:
-    """A stand-in for `Client` where only its ``/health`` matters (`Pool` asks no more):
-    it counts its ``probes``, and runs ``during`` (once) while the first is in flight."""
+    """A stand-in for `Client` where only its ``/health`` and ``/metrics`` matter (`Pool`
+    asks no more): it counts its ``probes``, runs ``during`` (once) while the first is in
+    flight, and answers ``/metrics`` with ``page``."""
 
     def __init__(self, url: str, alive: bool = True) -> None:
         self.url, self.up = url, alive
         self.probes = 0
         self.during = None
+        self.page = ""
+
+    def text(self, path: str) -> str:
+        assert path == "/metrics"
+        if not self.up:
+            raise ServerDown(f"{self.url} did not answer")
+        return self.page
 
     def alive(self) -> bool:
         self.probes += 1
@@ -185,6 +194,27 @@ def _request(pool: Pool, tokens: list[int]) -> Replica:
         return next(attempts)
     finally:
         attempts.close()
+
+
+def test_a_new_root_spills_by_the_servers_own_load_read_from_metrics(monkeypatch):
+    """Other clients' requests count: a server whose /metrics shows requests running and
+    waiting past ``spill`` takes no new root; the reading is renewed every LOAD_EVERY s."""
+    def home_of(seed: int) -> int:
+        idle = _pool()
+        return idle.replicas.index(_request(idle, _tokens(seed, 64)))
+
+    homes = {s: home_of(s) for s in range(20)}
+    first, second, third = [s for s in homes if homes[s] == homes[0]][:3]  # one home's roots
+    pool = _pool()
+    home = pool.replicas[homes[0]]
+    home.client.page = ('vllm:num_requests_running{engine="0",model_name="m"} 6.0\n'
+                        'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n')
+    assert _request(pool, _tokens(first, 64)) is not home and home.reported == 9
+    assert [r.load for r in pool.replicas] == [0, 0, 0]  # none of them this client's
+    home.client.page = 'vllm:num_requests_running{engine="0",model_name="m"} 0.0\n'
+    assert _request(pool, _tokens(second, 64)) is not home    # read under a second ago
+    monkeypatch.setattr(pool_module, "LOAD_EVERY", 0.0)
+    assert _request(pool, _tokens(third, 64)) is home and home.reported == 0
 
 
 def test_a_pool_hands_out_the_next_replica_after_each_failure_then_raises():

@@ -1,5 +1,6 @@
 """What a vLLM server's ``/metrics`` (Prometheus text) tells a client: its KV block size,
-how many data-parallel engines answer behind its URL, and its prefix-cache counters.
+how many data-parallel engines answer behind its URL, its prefix-cache counters and the
+requests it runs.
 
 Examples
 --------
@@ -12,13 +13,17 @@ Examples
 128.0
 >>> engines(samples), block_size(samples)
 (2, 32)
+>>> requests(parse('''vllm:num_requests_running{engine="0"} 3.0
+... vllm:num_requests_waiting{engine="0"} 2.0
+... vllm:num_requests_running{engine="1"} 1.0'''))
+{'0': 5, '1': 1}
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["parse", "total", "engines", "block_size", "Sample"]
+__all__ = ["parse", "total", "engines", "block_size", "requests", "Sample"]
 
 Sample = tuple[str, dict[str, str], float]
 _LINE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)")
@@ -59,3 +64,14 @@ def block_size(samples: list[Sample]) -> int | None:
         if name == "vllm:cache_config_info" and labels.get("block_size", "").isdigit():
             return int(labels["block_size"])
     return None
+
+
+def requests(samples: list[Sample]) -> dict[str, int]:
+    """Requests running and waiting on each engine (by its ``engine`` label, ``""`` where the
+    page names none): the server's own load, every client's requests together."""
+    out: dict[str, int] = {}
+    for name, labels, value in samples:
+        if name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            engine = labels.get("engine", "")
+            out[engine] = out.get(engine, 0) + int(value)
+    return out

@@ -21,12 +21,14 @@ router in front of replicas hashes to keep a state's lineage on one of them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import closing
 from typing import TypeVar
 
+from seqstate.backends.vllm import metrics
 from seqstate.backends.vllm.client import Client, ServerDown
 from seqstate.backends.vllm.routing import Router, Sessions
 from seqstate.errors import EngineError
@@ -41,6 +43,7 @@ RANK_HEADER = "X-data-parallel-rank"   # vLLM's header pinning a request to one 
 SESSION_HEADER = "X-Session-ID"        # vllm-router's first key for consistent_hash
 PROBE_AFTER = (1.0, 30.0)   # seconds before a down replica is probed: the first wait,
                             # doubling with each failed probe up to the last
+LOAD_EVERY = 1.0            # seconds between readings of the servers' own loads (/metrics)
 RETRY_WAITS = (0.25, 0.5, 1.0, 2.0)  # seconds a request waits, once every replica has failed
                                      # it, before each new round of tries
 
@@ -134,6 +137,13 @@ class Replica:
         self.health = Health(clock)
         self.load = 0
         self.served = 0
+        self.reported = 0          # requests running and waiting there, by its /metrics
+
+    @property
+    def busy(self) -> int:
+        """Its load for routing: the server's own count (every client's requests, as last
+        read) or this client's requests in flight, whichever is more."""
+        return max(self.load, self.reported)
 
     @property
     def name(self) -> str:
@@ -181,6 +191,7 @@ class Pool:
         self.header = header
         self.waits = tuple(waits)
         self._lock = threading.Lock()
+        self._loads_read_at = -math.inf
 
     @property
     def client(self) -> Client:
@@ -250,8 +261,10 @@ class Pool:
         while True:
             self._probe(tried, everyone)
             everyone = False
+            if len(self.replicas) > 1:
+                self._read_loads()
             with self._lock:
-                loads = {i: r.load for i, r in enumerate(self.replicas)
+                loads = {i: r.busy for i, r in enumerate(self.replicas)
                          if r.health.up and i not in tried}
                 if loads:
                     index = next(iter(loads))
@@ -275,6 +288,23 @@ class Pool:
                 with self._lock:
                     replica.load -= 1
             errors.append(f"{replica.name}: {replica.health.reason or 'failed'}")
+
+    def _read_loads(self) -> None:
+        """Once every `LOAD_EVERY` seconds (one caller reads, the others go on), each up
+        server's requests running and waiting, from its ``/metrics``: other clients' load
+        counts too.  A server that does not answer keeps its last reading."""
+        with self._lock:
+            if time.monotonic() - self._loads_read_at < LOAD_EVERY:
+                return
+            self._loads_read_at = time.monotonic()
+            servers = {r.client.url: r.client for r in self.replicas if r.health.up}
+        pages = {url: _requests_on(client) for url, client in servers.items()}
+        with self._lock:
+            for replica in self.replicas:
+                page = pages.get(replica.client.url)
+                if page is not None:
+                    replica.reported = (sum(page.values()) if replica.rank is None else
+                                        page.get(str(replica.rank), 0))
 
     def _probe(self, tried: set[int], everyone: bool) -> None:
         """Probe the down replicas not yet tried: every one when ``everyone``, else those
@@ -335,3 +365,12 @@ class Pool:
     def close(self) -> None:
         for client in {id(r.client): r.client for r in self.replicas}.values():
             client.close()
+
+
+def _requests_on(client: Client) -> dict[str, int] | None:
+    """A server's requests running and waiting per engine (`metrics.requests`); None where
+    its ``/metrics`` does not answer."""
+    try:
+        return metrics.requests(metrics.parse(client.text("/metrics")))
+    except EngineError:
+        return None
