@@ -222,10 +222,14 @@ def chained(model):
 
 
 @pytest.mark.real
-def test_smollm2_equals_run_batch(real):
+def test_smollm2_on_llama_cpp_equals_run_batch(llama):
+    """The llama.cpp engine's model built on each worker (SmolLM2 on transformers runs on
+    Ray in docs/beyond-one-machine.md; the tiny model's tests are transformers' too)."""
     products = ["kettle", "bicycle", "umbrella", "lamp", "tent", "chair", "desk", "clock"]
-    got = sray.run_batch(chained, products, model=ss.models.default, workers=2)
-    assert got == ss.run_batch(chained(real), products, progress=False)
+    factory = functools.partial(ss.models.default, engine="llama.cpp", n_ctx=8192,
+                                n_threads=1)
+    got = sray.run_batch(chained, products, model=factory, workers=2)
+    assert got == ss.run_batch(chained(llama), products, progress=False)
 
 
 def make_sleeper(model, folder):
