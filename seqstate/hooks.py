@@ -23,7 +23,8 @@ from seqstate.errors import CapabilityError, ConstraintError, HookError
 from seqstate.finish import FinishReason
 
 __all__ = ["SampleEvent", "Accept", "Replace", "Resample", "Rollback", "Action", "Hook",
-           "as_hook", "ban_phrases", "checked", "DEFAULT_MAX_BACKTRACKS", "TOP_TOKENS"]
+           "as_hook", "ban_phrases", "checked", "run_hooks", "Hooked", "DEFAULT_MAX_BACKTRACKS",
+           "TOP_TOKENS"]
 
 DEFAULT_MAX_BACKTRACKS = 32      # resamples and rollbacks a row may take in one call
 TOP_TOKENS = 5                   # alternatives `SampleEvent.top` lists
@@ -93,8 +94,8 @@ class SampleEvent:
     __slots__ = ("row", "position", "token", "logprob", "logits", "text", "token_text",
                  "generated", "offsets", "_prompt", "__dict__")
 
-    def __init__(self, row: int, position: int, token: int, logprob: float, logits: torch.Tensor,
-                 text: str, token_text: str, generated: Sequence[int], offsets: Sequence[int],
+    def __init__(self, *, row: int, position: int, token: int, logprob: float | None,
+                 logits: torch.Tensor | None, text: str, token_text: str, generated: Sequence[int], offsets: Sequence[int],
                  prompt: Callable[[], str] | str = "",
                  top: Sequence[tuple[int, float]] | None = None) -> None:
         self.row, self.position, self.token, self.logprob = row, position, token, logprob
@@ -205,6 +206,65 @@ def checked(hook: Hook, action: Action, row, token: int, allowed: Callable[[int]
             return action
         action = Resample()                     # Rollback(0) drops just the sampled token
     return Resample(tuple(action.ban or (token,)))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hooked:
+    """What a token's hooks left (`run_hooks`): the ``token`` to accept and its ``logprob``
+    (``replaced``: a hook replaced the sampled one), unless the row finished, a rollback
+    dropped ``rolled_back`` tokens, or ``send_again``: the position is sampled again
+    elsewhere (after a rollback, or a resample on an engine that samples on a server)."""
+
+    token: int
+    logprob: float | None
+    replaced: bool = False
+    rolled_back: int = 0
+    send_again: bool = False
+
+
+def run_hooks(hooks: Sequence[Hook], row, i: int, token: int, logprob: float | None, *,
+              logprob_of: Callable[[int], float | None], logits: torch.Tensor | None = None,
+              top: Sequence[tuple[int, float]] | None = None, allowed: Callable[[int], bool],
+              max_backtracks: int,
+              sample_again: Callable[[list[int]], int | None] | None) -> Hooked:
+    """Run ``hooks`` in order on row ``i``'s sampled ``token`` (its ``logprob``): the chain
+    every engine runs.
+
+    Each hook sees a `SampleEvent` (with ``logits`` or ``top``: what the engine has of the
+    position's distribution); its action is `checked` (``allowed``: whether the row's
+    constraint and bans allow a replacement).  A `Replace` hands its token on to the later
+    hooks (its log-prob: ``logprob_of(token)``); a `Rollback` drops tokens
+    (``row.rollback``) and ends the chain; a `Resample` records its bans at the row's
+    position, then ``sample_again(banned)`` gives the next token, on which the chain starts
+    again at the first hook, or None where nothing is left: the row finishes as a dead end.
+    Without ``sample_again`` (a server samples) a resample ends the chain: ``send_again``."""
+    k, replaced = 0, False
+    while k < len(hooks):
+        hook = hooks[k]
+        event = SampleEvent(row=i, position=len(row.tokens), token=token, logprob=logprob,
+                            logits=logits, text=row.text, token_text=row.vocab.decode([token]),
+                            generated=row.generated, offsets=row.offsets,
+                            prompt=lambda: row.prompt_text, top=top)
+        action = checked(hook, hook(event), row, token, allowed, max_backtracks)
+        if row.done:
+            return Hooked(token, logprob)
+        if action is None or isinstance(action, Replace):
+            if action is not None:
+                token, logprob, replaced = action.token, logprob_of(action.token), True
+            k += 1
+            continue
+        if isinstance(action, Rollback):
+            row.rollback(action.n)
+            return Hooked(token, logprob, rolled_back=action.n, send_again=True)
+        row.bans.setdefault(len(row.tokens), set()).update(action.ban)
+        if sample_again is None:
+            return Hooked(token, logprob, send_again=True)
+        again = sample_again(list(action.ban))
+        if again is None:
+            row.finish(FinishReason.DEAD_END)
+            return Hooked(token, logprob)
+        k, token, logprob, replaced = 0, again, logprob_of(again), False
+    return Hooked(token, logprob, replaced)
 
 
 class _BanPhrases(Hook):

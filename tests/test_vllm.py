@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import seqstate as ss
+from seqstate.backends.base import Completion
 from seqstate.backends.vllm.backend import VllmBackend
 
 from conftest import assert_close, assert_same_rows, collect
@@ -324,8 +325,8 @@ def test_a_vocabulary_that_differs_is_refused(vllm):
     odd = VllmBackend(vllm.backend.client, vllm.backend.served, vllm.vocab.size, "0" * 64,
                       vllm.context_length)
     with pytest.raises(ss.ModelMismatch, match="vocabulary"):
-        list(odd.complete(vllm.encode_prompt("Hi"), max_tokens=2, sampler=ss.greedy(),
-                          spec={"regex": "(?:a)$"}))
+        list(odd.complete(Completion(vllm.encode_prompt("Hi"), 2, ss.greedy(),
+                                     spec={"regex": "(?:a)$"})))
 
 
 def test_an_unreachable_server_is_a_typed_error():

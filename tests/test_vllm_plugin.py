@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import seqstate as ss
+from seqstate.backends.base import Completion
 from seqstate.backends.vllm import wire
 from seqstate.backends.vllm.vocab import signal_tokens, vocabulary_table
 from seqstate.constraints import spec as keys
@@ -305,7 +306,7 @@ def test_a_malformed_spec_is_refused_at_admission(vllm, vllm_server, spec, why):
     if parsed is not None:
         parsed = {k: v for k, v in parsed.items() if k != wire.VOCAB_KEY}
         with pytest.raises(ss.ConstraintError, match=why):
-            list(vllm.backend.complete([1, 2, 3], max_tokens=2, sampler=ss.greedy(), spec=parsed))
+            list(vllm.backend.complete(Completion([1, 2, 3], 2, ss.greedy(), spec=parsed)))
 
 
 @pytest.mark.parametrize("spec, why", [
@@ -315,7 +316,7 @@ def test_a_constraint_that_fails_ends_its_request_with_a_constraint_error(vllm, 
     if keys.REPLAY in spec:
         spec = {**spec, keys.REPLAY: vllm.encode(spec[keys.REPLAY])[-1:]}
     with pytest.raises(ss.ConstraintError, match=why):
-        list(vllm.backend.complete([1, 2, 3], max_tokens=4, sampler=ss.greedy(), spec=spec))
+        list(vllm.backend.complete(Completion([1, 2, 3], 4, ss.greedy(), spec=spec)))
 
 
 def test_a_request_sent_while_its_constraint_builds_is_sent_again(vllm, monkeypatch):

@@ -16,6 +16,7 @@ import pytest
 import seqstate as ss
 from seqstate.backends.vllm import metrics
 from seqstate.backends.vllm import pool as pool_module
+from seqstate.backends.base import Completion
 from seqstate.backends.vllm.backend import VllmBackend
 from seqstate.backends.vllm.client import Client, ServerDown
 from seqstate.backends.vllm.pool import PROBE_AFTER, SESSION_HEADER, Health, Pool, Replica
@@ -389,7 +390,7 @@ def test_a_stream_closed_before_done_is_a_server_failure_and_is_sent_again():
         backend = VllmBackend(pool, "m", 50_000, "0" * 64, 512)
         try:
             cuts[0] = 1                    # the replica the request goes to first cuts it
-            got = list(backend.complete([1, 2, 3], max_tokens=3, sampler=ss.greedy()))
+            got = list(backend.complete(Completion([1, 2, 3], 3, ss.greedy())))
         finally:
             backend.close()
     assert [t.token for t in got] == [504, 3458, 11]
@@ -403,7 +404,7 @@ def _backend(urls: list[str], **pool) -> VllmBackend:
 
 
 def _complete(backend: VllmBackend, tokens: list[int]) -> list[int | None]:
-    return [t.token for t in backend.complete(tokens, max_tokens=3, sampler=ss.greedy())]
+    return [t.token for t in backend.complete(Completion(tokens, 3, ss.greedy()))]
 
 
 def test_one_url_sends_a_cut_stream_again_and_streams_no_token_twice():

@@ -32,7 +32,8 @@ import torch
 from seqstate.errors import CacheFullError, CapabilityError
 from seqstate.finish import FinishReason
 
-__all__ = ["Capabilities", "WorkCounters", "Handle", "Scored", "Token", "Fed", "Batch", "Backend",
+__all__ = ["Capabilities", "WorkCounters", "Handle", "Scored", "Token", "Completion", "Fed",
+           "Batch", "Backend",
            "StepBackend", "RequestBackend", "CacheFullError",
            "openmp", "torch_threads", "single_threaded_torch", "free_cpus"]
 
@@ -164,6 +165,38 @@ class Token:
     argmax: bool
     finish: FinishReason | None = None
     top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Completion:
+    """One whole request, engine-neutral, that `RequestBackend.complete` takes whole (as the
+    step takes its call's `seqstate.engine.rows.Decoding`): ``n`` continuations of
+    ``tokens``, each of at most ``max_tokens`` tokens, sampled with ``sampler`` (a
+    `seqstate.sampling.params.Sampler`; ``seed``: the server's seed for them, None with a
+    greedy sampler) under ``spec``, the constraint the server runs
+    (`seqstate.constraints.spec`: a cursor's ``remote()``, the tokens to replay, tokens
+    banned at positions past the prompt); ``ignore_eos``: go on past EOS; ``top``: send
+    each token's ``top`` most likely alternatives with it.
+
+    Examples
+    --------
+    >>> import seqstate as ss
+    >>> from seqstate.backends.base import Completion
+    >>> Completion([1, 2, 3], 8, ss.greedy()).tokens
+    (1, 2, 3)
+    """
+
+    tokens: tuple[int, ...]
+    max_tokens: int
+    sampler: Any
+    seed: int | None = None
+    spec: dict[str, Any] | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    top: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tuple(self.tokens))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -328,15 +361,10 @@ class RequestBackend(Backend, Protocol):
         """Raise `CapabilityError`, before any request, for a sampler the server cannot run."""
         ...
 
-    def complete(self, tokens: Sequence[int], *, max_tokens: int, sampler: Any,
-                 seed: int | None = None, spec: dict | None = None, n: int = 1,
-                 ignore_eos: bool = False, top: int = 0) -> Iterator[Token]:
-        """Stream ``n`` continuations of ``tokens`` sampled with ``sampler`` (``seed``: the
-        server's seed for them, None with a greedy sampler) as `Token` s, each with its
-        ``top`` most likely alternatives when ``top`` > 0.  ``spec`` is the constraint the
-        server runs (`seqstate.constraints.spec`: a cursor's ``remote()``, the tokens to replay,
-        tokens banned at positions past the prompt).  Closing the iterator early
-        aborts the request."""
+    def complete(self, request: Completion) -> Iterator[Token]:
+        """Stream the ``request.n`` continuations of a `Completion` as `Token` s, each with
+        its ``request.top`` most likely alternatives when that is > 0.  Closing the iterator
+        early aborts the request."""
         ...
 
     def next_logprobs(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from seqstate.backends.base import Handle, Scored, Token
+from seqstate.backends.base import Completion, Handle, Scored, Token
 from seqstate.constraints import spec as keys
 from seqstate.constraints.base import Cursor
 from seqstate.constraints.healing import MAX_HEAL_TOKENS
@@ -42,8 +42,7 @@ from seqstate.engine.masks import allowed_mask
 from seqstate.engine.waiting import PAUSE, POLL_SECONDS, Caller, check_interrupted
 from seqstate.errors import CapabilityError, EngineError
 from seqstate.finish import FinishReason
-from seqstate.hooks import (TOP_TOKENS, Hook, Replace, Rollback,
-                            SampleEvent, as_hook, checked)
+from seqstate.hooks import TOP_TOKENS, Hook, as_hook, run_hooks
 from seqstate.sampling.params import BeamSearch, Greedy, Sampler
 
 __all__ = ["RequestRunner", "spec_of", "CONCURRENCY"]
@@ -75,14 +74,12 @@ def spec_of(cursor: Cursor | None, replay: Sequence[int] = (),
     return {**spec, keys.REPLAY: tokens} if tokens else spec
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Request:
-    """One server request: the rows it carries (one per choice), its prompt, its constraint
-    spec, its seed (None under a greedy sampler) and its token budget."""
+    """One server request: the rows it carries (one per choice) and what is sent."""
 
-    def __init__(self, rows: list[int], tokens: Sequence[int], spec: dict[str, Any] | None,
-                 seed: int | None, max_tokens: int) -> None:
-        self.rows, self.tokens, self.spec = rows, tuple(tokens), spec
-        self.seed, self.max_tokens = seed, max_tokens
+    rows: tuple[int, ...]
+    sent: Completion
 
     @classmethod
     def of(cls, i: int, row: LiveRow, before: _Request, context: int, engine: str) -> _Request:
@@ -93,17 +90,91 @@ class _Request:
         bans = [[p - n, sorted(ids)] for p, ids in sorted(row.bans.items()) if p >= n and ids]
         if bans:
             spec = {**(spec or {}), keys.BAN: bans}
-        seed = before.seed            # a new draw, still determined by the call's seed
+        seed = before.sent.seed       # a new draw, still determined by the call's seed
         if seed is not None:
             seed = (seed * 6364136223846793005 + n) % 2**62
         left = row.req.max_new - (len(row.generated) - row.respelled)
-        return cls([i], row.tokens, spec, seed, _budget(row.req, n, left, context))
+        return cls((i,), dataclasses.replace(
+            before.sent, tokens=row.tokens, spec=spec, seed=seed, n=1,
+            max_tokens=_budget(row.req, n, left, context)))
 
 
 def _budget(req: RowRequest, length: int, left: int, context: int) -> int:
     """``max_tokens`` of a request for a row of ``length`` tokens that may still generate
     ``left``: healing's re-spelling tokens do not count against it; the context bounds it."""
     return min(left + (MAX_HEAL_TOKENS if req.healed_chars else 0), context - length)
+
+
+class _Streams:
+    """A run's requests in flight: each streamed on a thread of its own into one queue that
+    `events` reads on the caller's thread.  ``current[i]`` is the request now carrying row
+    ``i``; a request that no longer carries any of its rows, or whose rows are all done, is
+    closed (aborted on the server); a failed request's error is kept as ``failure`` where it
+    left a row unfinished (its tokens came first: rows it finished keep their results)."""
+
+    def __init__(self, backend, rows: list[LiveRow], caller: Caller) -> None:
+        self.backend, self.rows, self.caller = backend, rows, caller
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.stop = threading.Event()
+        self.current: dict[int, _Request] = {}
+        self.running = 0
+        self.failure: BaseException | None = None
+
+    def send(self, request: _Request) -> None:
+        for i in request.rows:
+            self.current[i] = request
+        self.running += 1
+        threading.Thread(target=self._pump, args=(request,), daemon=True,
+                         name="seqstate-request").start()
+
+    def events(self) -> Generator[Any, None, None]:
+        """Each streamed token still wanted, as (row, its request, the `Token`), until every
+        request has ended; `PAUSE` to an awaiting caller while none has come, `CallTimeout`
+        past its deadline."""
+        caller = self.caller
+        while self.running:
+            try:
+                kind, request, payload = (self.queue.get_nowait() if caller.awaits else
+                                          self.queue.get(timeout=caller.left(POLL_SECONDS)))
+            except queue.Empty:
+                caller.left(POLL_SECONDS)              # past the deadline: CallTimeout
+                if caller.awaits:
+                    yield PAUSE
+                continue
+            if kind == "end":
+                self.running -= 1
+            elif kind == "error":
+                if not all(self.rows[i].done for i in request.rows
+                           if self.current[i] is request):
+                    self.failure = self.failure or payload
+                    self.stop.set()
+            else:
+                i = request.rows[payload.index]
+                if (self.current[i] is request and not self.rows[i].done
+                        and self.failure is None):    # else a closed request's late token
+                    yield i, request, payload
+
+    def close(self) -> None:
+        """Close every request still streaming."""
+        self.stop.set()
+
+    def _pump(self, request: _Request) -> None:
+        stream = self.backend.complete(request.sent)
+        try:
+            for token in stream:
+                if (self.stop.is_set() or _abort(self.rows[i] for i in request.rows)
+                        or any(self.current[i] is not request for i in request.rows)):
+                    break
+                self._post(("token", request, token))
+        except BaseException as exc:           # handed to the caller's thread
+            self._post(("error", request, exc))
+        finally:
+            stream.close()
+            self._post(("end", request, None))
+
+    def _post(self, event: tuple) -> None:
+        self.queue.put(event)
+        self.caller.wake()
 
 
 class RequestRunner:
@@ -134,87 +205,31 @@ class RequestRunner:
         step does), a replacement is appended as given."""
         caller = caller or Caller()      # built here: it belongs to the run of this thread
         model = self.model
-        backend, engine = model.backend, model.engine
-        sampler, max_backtracks = decoding.sampler, decoding.max_backtracks
         hooks = tuple(as_hook(h) for h in decoding.hooks)
-        work = self._requests(requests, sampler, decoding.rng, grouped=not hooks)
+        work = self._requests(requests, decoding.sampler, decoding.rng, hooks)
         rows = [LiveRow(req, model.vocab, model.eos_token_ids) for req in requests]
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        stop = threading.Event()
-        current: dict[int, _Request] = {}          # row -> the request now carrying it
-
-        def post(event: tuple) -> None:
-            events.put(event)
-            caller.wake()
-
-        def pump(request: _Request) -> None:
-            stream = backend.complete(request.tokens, max_tokens=request.max_tokens,
-                                      sampler=sampler, seed=request.seed, spec=request.spec,
-                                      n=len(request.rows), top=TOP_TOKENS if hooks else 0)
-            try:
-                for token in stream:
-                    if (stop.is_set() or _abort(rows[i] for i in request.rows)
-                            or any(current[i] is not request for i in request.rows)):
-                        break
-                    post(("token", request, token))
-            except BaseException as exc:           # handed to the caller's thread
-                post(("error", request, exc))
-            finally:
-                stream.close()
-                post(("end", request, None))
-
-        def send(request: _Request) -> None:
-            for i in request.rows:
-                current[i] = request
-            threading.Thread(target=pump, args=(request,), daemon=True,
-                             name="seqstate-request").start()
-
+        streams = _Streams(model.backend, rows, caller)
         caller.left(POLL_SECONDS)            # an interrupted run's call is refused unsent
         for request in work:
-            send(request)
-        running, failure = len(work), None
+            streams.send(request)
         try:
-            while running:
-                try:
-                    kind, request, payload = (events.get_nowait() if caller.awaits else
-                                              events.get(timeout=caller.left(POLL_SECONDS)))
-                except queue.Empty:
-                    caller.left(POLL_SECONDS)              # past the deadline: CallTimeout
-                    if caller.awaits:
-                        yield PAUSE
+            for event in streams.events():
+                if event is PAUSE:
+                    yield PAUSE
                     continue
-                if kind == "end":
-                    running -= 1
-                    continue
-                live = [i for i in request.rows if current[i] is request]
-                if kind == "error":
-                    # its tokens came first: rows it finished keep their results (only the
-                    # request's usage is lost); one it left unfinished fails the call
-                    if not all(rows[i].done for i in live):
-                        failure = failure or payload
-                        stop.set()
-                    continue
-                i = request.rows[payload.index]
-                if i not in live or rows[i].done or failure is not None:
-                    continue                         # a closed request's late token
-                row = rows[i]
-                if hooks:
-                    resend = _hooked(row, i, payload, hooks, max_backtracks)
-                else:
-                    _accept(row, payload)
-                    resend = False
-                if resend and not row.done:
-                    running += 1
-                    send(_Request.of(i, row, request, model.context_length, engine))
+                i, request, token = event
+                if _hooked(rows[i], i, token, hooks, decoding.max_backtracks):
+                    streams.send(_Request.of(i, rows[i], request, model.context_length,
+                                             model.engine))
                 yield from observe(rows)
         finally:
-            stop.set()
-        if failure is not None:
-            raise failure
+            streams.close()
+        if streams.failure is not None:
+            raise streams.failure
         for row in rows:
             if not row.done:            # the server ended the request without a reason we know
                 row.finish(FinishReason.MAX_TOKENS)
-        return [_result(backend, row) for row in rows]
+        return [_result(model.backend, row) for row in rows]
 
     def generate(self, requests: Sequence[RowRequest], decoding: Decoding = Decoding()
                  ) -> list[RowResult]:
@@ -275,29 +290,31 @@ class RequestRunner:
         return [self.model.backend.handle(len(r) - 1) for r in rows]
 
     def _requests(self, requests: Sequence[RowRequest], sampler: Sampler,
-                  rng: torch.Generator | None, grouped: bool = True) -> list[_Request]:
-        """Rows as server requests, everything checked before any is sent; ``grouped``: rows
-        that are the same request (a fork's samples) share one, with ``n`` choices."""
+                  rng: torch.Generator | None, hooks: Sequence[Hook]) -> list[_Request]:
+        """Rows as server requests, everything checked before any is sent.  Rows that are
+        the same request (a fork's samples) share one, with ``n`` choices, unless there are
+        ``hooks`` (a row's hooks may send it again alone; its tokens come with their top
+        alternatives)."""
         model = self.model
         model.backend.check_sampler(sampler)
         ctx, engine = model.context_length, model.engine
-        groups: dict[Any, _Request] = {}
+        groups: dict[Any, tuple[list[int], Completion]] = {}
         for i, req in enumerate(requests):
             spec = spec_of(req.cursor, req.replay, engine)
-            key = (None if grouped else i, req.tokens, json.dumps(spec, sort_keys=True),
+            key = (i if hooks else None, req.tokens, json.dumps(spec, sort_keys=True),
                    req.max_new, req.healed_chars, req.stop.stops if req.stop is not None else None)
             if key in groups:
-                groups[key].rows.append(i)
+                groups[key][0].append(i)
                 continue
-            groups[key] = _Request([i], req.tokens, spec, None,
-                                   _budget(req, len(req.tokens), req.max_new, ctx))
-        out = list(groups.values())
+            groups[key] = [i], Completion(req.tokens, _budget(req, len(req.tokens), req.max_new,
+                                                              ctx), sampler, spec=spec,
+                                          top=TOP_TOKENS if hooks else 0)
+        seeds = [None] * len(groups)
         if type(sampler) is not Greedy:
-            seeds = torch.randint(0, 2**62, (len(out),), generator=rng,
+            seeds = torch.randint(0, 2**62, (len(groups),), generator=rng,
                                   device="cpu" if rng is None else rng.device).tolist()
-            for request, seed in zip(out, seeds):
-                request.seed = seed
-        return out
+        return [_Request(tuple(rows), dataclasses.replace(sent, seed=seed, n=len(rows)))
+                for (rows, sent), seed in zip(groups.values(), seeds)]
 
 
 def _settled(futures: list[Future], caller: Caller) -> Generator[Any, None, list[Any]]:
@@ -321,32 +338,21 @@ def _result(backend, row: LiveRow) -> RowResult:
 
 
 def _hooked(row: LiveRow, i: int, token: Token, hooks: Sequence[Hook], max_backtracks: int) -> bool:
-    """Run the hooks on one streamed token, as the local step does; True when the row's
-    request must be sent again from its kept tokens (the hooks intervened).  The plugin's
-    EOS for a constraint with no way on is no sample: the row ends at a dead end, unhooked,
-    as the local step ends it before sampling."""
-    if token.token is None or _dead_end(row, token.token):
+    """One streamed token into row ``i`` through its hooks (`run_hooks`), as the local step
+    takes a sampled one; True when the row's request must be sent again from its kept tokens
+    (a hook intervened: the server samples again).  The plugin's EOS for a constraint with no
+    way on is no sample: the row ends at a dead end, unhooked, as the local step ends it
+    before sampling."""
+    if not hooks or token.token is None or _dead_end(row, token.token):
         _accept(row, token)
         return False
-    chosen, logprob, replaced = token.token, token.logprob, False
-    top = [(t, math.exp(lp)) for t, lp in token.top]       # the position's, whatever is chosen
-    for hook in hooks:
-        event = SampleEvent(i, len(row.tokens), chosen, logprob, None, row.text,
-                            row.vocab.decode([chosen]), row.generated, row.offsets,
-                            lambda: row.prompt_text, top)
-        action = checked(hook, hook(event), row, chosen, lambda t: _allowed(row, t),
-                         max_backtracks)
-        if row.done:
-            return False
-        if action is None:
-            continue
-        if isinstance(action, Replace):
-            chosen, logprob, replaced = action.token, None, True
-            continue
-        if isinstance(action, Rollback):
-            row.rollback(action.n)
-        else:                                   # a resample: the server samples without them
-            row.bans.setdefault(len(row.tokens), set()).update(action.ban)
+    hooked = run_hooks(hooks, row, i, token.token, token.logprob, logprob_of=lambda t: None,
+                       top=[(t, math.exp(lp)) for t, lp in token.top],
+                       allowed=lambda t: _allowed(row, t), max_backtracks=max_backtracks,
+                       sample_again=None)
+    if row.done:
+        return False
+    if hooked.send_again:
         allowed = allowed_mask(row, row.vocab.size)
         if allowed is not None and not allowed.any():
             # every way on is banned: the row ends here, as the local step ends it (a server
@@ -354,8 +360,8 @@ def _hooked(row: LiveRow, i: int, token: Token, hooks: Sequence[Hook], max_backt
             row.finish(FinishReason.DEAD_END)
             return False
         return True
-    _accept(row, dataclasses.replace(token, token=chosen, logprob=logprob))
-    return replaced
+    _accept(row, dataclasses.replace(token, token=hooked.token, logprob=hooked.logprob))
+    return hooked.replaced and not row.done
 
 
 def _allowed(row: LiveRow, token: int) -> bool:

@@ -16,7 +16,7 @@ from seqstate.engine.buffers import StepBuffers, shared
 from seqstate.engine.masks import allowed_masks, constrained
 from seqstate.engine.rows import Decoding, LiveRow, RowRequest, RowResult
 from seqstate.finish import FinishReason
-from seqstate.hooks import Replace, Rollback, SampleEvent, checked
+from seqstate.hooks import Hooked, run_hooks
 from seqstate.sampling.functions import check_rows, finite_rows, greedy_list, picked_values
 from seqstate.sampling.params import Greedy
 
@@ -116,11 +116,13 @@ class Stepper:
             row = self.rows[i]
             if row.done:
                 continue
-            token, rolled = (self._run_hooks(row, i, chosen[j], logits[j], norms[j], masked[j])
-                             if self.hooks else (chosen[j], 0))
-            if row.done or rolled:
-                events.append(StepEvent(i, None, "", rolled, row.finish_reason))
-                continue
+            token = chosen[j]
+            if self.hooks:
+                hooked = self._run_hooks(row, i, token, logits[j], norms[j], masked[j])
+                if row.done or hooked.rolled_back:
+                    events.append(StepEvent(i, None, "", hooked.rolled_back, row.finish_reason))
+                    continue
+                token = hooked.token
             logit = picked[j] if token == chosen[j] else logits[j, token].item()
             before = len(row.tokens)
             chunk = row.accept(token, logit - norms[j])
@@ -173,34 +175,18 @@ class Stepper:
         return sampler.choose(masked, rng)
 
     def _run_hooks(self, row: LiveRow, i: int, token: int, logits: torch.Tensor, norm: float,
-                   masked: torch.Tensor) -> tuple[int, int]:
-        """Run the hooks in order; returns (token, tokens rolled back).  A Replace hands its
-        token on to the later hooks; a Resample restarts the chain on the newly sampled
-        token; a Rollback ends the step for this row."""
-        k = 0
-        while k < len(self.hooks):
-            hook = self.hooks[k]
-            event = SampleEvent(i, len(row.tokens), token, logits[token].item() - norm, logits,
-                                row.text, self.vocab.decode([token]), row.generated, row.offsets,
-                                lambda: row.prompt_text)
-            action = checked(hook, hook(event), row, token, lambda t: bool(torch.isfinite(masked[t])),
-                             self.decoding.max_backtracks)
-            if row.done:
-                return token, 0
-            if action is None or isinstance(action, Replace):
-                token = token if action is None else action.token
-                k += 1
-                continue
-            if isinstance(action, Rollback):
-                row.rollback(action.n)
-                return token, action.n
-            banned = list(action.ban)
+                   masked: torch.Tensor) -> Hooked:
+        """The hook chain (`run_hooks`) on row ``i``'s sampled ``token``: a resample bans
+        tokens in its ``masked`` logits and samples again from them."""
+        def sample_again(banned: list[int]) -> int | None:
             masked[banned] = float("-inf")
             if not torch.isfinite(masked).any():
-                row.finish(FinishReason.DEAD_END)
-                return token, 0
-            row.bans.setdefault(len(row.tokens), set()).update(banned)
-            token = int(self._choose(masked[None], [i])[0])
-            k = 0
-        return token, 0
+                return None
+            return int(self._choose(masked[None], [i])[0])
 
+        def logprob_of(t: int) -> float:
+            return logits[t].item() - norm
+
+        return run_hooks(self.hooks, row, i, token, logprob_of(token), logprob_of=logprob_of,
+                         logits=logits, allowed=lambda t: bool(torch.isfinite(masked[t])),
+                         max_backtracks=self.decoding.max_backtracks, sample_again=sample_again)

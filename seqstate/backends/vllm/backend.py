@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from seqstate.backends.base import Capabilities, RequestBackend, Scored, Token, WorkCounters
+from seqstate.backends.base import (Capabilities, Completion, RequestBackend, Scored, Token,
+                                    WorkCounters)
 from seqstate.backends.vllm.client import Client
 from seqstate.backends.vllm.pool import Pool, Replica
 from seqstate.backends.vllm.routing import BLOCK
@@ -153,23 +154,24 @@ class VllmBackend(RequestBackend):
         naming a parameter whose value is outside vLLM's range (`sampling_of`)."""
         sampling_of(sampler)
 
-    def complete(self, tokens: Sequence[int], *, max_tokens: int, sampler: Sampler,
-                 seed: int | None = None, spec: dict[str, Any] | None = None, n: int = 1,
-                 ignore_eos: bool = False, top: int = 0) -> Iterator[Token]:
-        """Stream one request: ``n`` continuations of ``tokens`` sampled with ``sampler``
-        (as vLLM's sampling parameters, `sampling_of`, with ``seed``), constrained by the
-        plugin ``spec``, each token with its ``top`` most likely alternatives when ``top``
-        > 0.  Closing the iterator early aborts the request on the server.  While the
-        server builds the spec's regex or grammar it ends the request at once and it is sent
-        again (`PENDING_WAIT`); `ConstraintError` where the server refuses the spec, cannot
-        build it, goes over its bounds building it, or fails on it mid-way."""
-        sampling = sampling_of(sampler)
-        if seed is not None:
-            sampling["seed"] = seed
+    def complete(self, request: Completion) -> Iterator[Token]:
+        """Stream one request: its ``n`` continuations sampled with its sampler (as vLLM's
+        sampling parameters, `sampling_of`, with its seed), constrained by the plugin spec,
+        each token with its ``top`` most likely alternatives when ``top`` > 0.  Closing the
+        iterator early aborts the request on the server.  While the server builds the spec's
+        regex or grammar it ends the request at once and it is sent again
+        (`PENDING_WAIT`); `ConstraintError` where the server refuses the spec, cannot build
+        it, goes over its bounds building it, or fails on it mid-way."""
+        sampling = sampling_of(request.sampler)
+        if request.seed is not None:
+            sampling["seed"] = request.seed
+        n, top, spec = request.n, request.top, request.spec
         body: dict[str, Any] = {
-            "model": self.served, "prompt": list(tokens), "max_tokens": max_tokens, "n": n,
-            "logprobs": max(1, top), "return_token_ids": True, "return_tokens_as_token_ids": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos, **sampling}
+            "model": self.served, "prompt": list(request.tokens),
+            "max_tokens": request.max_tokens, "n": n, "logprobs": max(1, top),
+            "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": request.ignore_eos,
+            **sampling}
         signals: dict[int, str] = {}
         if spec is not None:
             if (keys.REGEX in spec or keys.GRAMMAR in spec) and self.signals:
@@ -305,9 +307,9 @@ class VllmBackend(RequestBackend):
 
     def _forced(self, pair: tuple[tuple[int, ...], tuple[int, ...]]) -> Scored:
         prefix, continuation = pair
-        got = [t for t in self.complete(prefix, max_tokens=len(continuation), sampler=Greedy(),
-                                        spec={keys.FORCE: list(continuation)}, ignore_eos=True)
-               if t.token is not None]
+        forced = Completion(prefix, len(continuation), Greedy(),
+                            spec={keys.FORCE: list(continuation)}, ignore_eos=True)
+        got = [t for t in self.complete(forced) if t.token is not None]
         if [t.token for t in got] != list(continuation):
             raise EngineError("the vLLM server did not return the forced tokens; is seqstate's "
                               "plugin loaded? (`--logits-processors` with "
