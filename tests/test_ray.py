@@ -142,6 +142,21 @@ def test_a_killed_worker_s_inputs_finish(reference, tmp_path):
     assert _count(tmp_path, "builds") == 3          # two workers, one of them again
 
 
+def make_dying(model):
+    def program(x):
+        if x == 3:
+            os._exit(1)                                 # every time: no restart helps
+        return x
+
+    return program
+
+
+def test_a_worker_that_dies_past_max_restarts_ends_the_run():
+    with pytest.raises(ss.EngineError, match="died and was restarted too often"):
+        sray.run_batch(make_dying, range(6), model=tiny_factory, workers=1, max_restarts=1)
+    assert _cpus_freed()
+
+
 def test_ray_data_programs_give_the_same_results(reference):
     ds = ray.data.from_items(INPUTS).map_batches(
         sray.Programs, fn_constructor_kwargs={"make": make_program, "model": tiny_factory},
