@@ -26,7 +26,7 @@ def declared() -> dict[str, str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     specs = (list(project["dependencies"]) + extras["llama-cpp"] + extras["lm-eval"]
-             + extras["ray"])
+             + extras["ray"] + extras["bench"])
     bounds = {}
     for spec in specs:
         m = re.match(r"([A-Za-z0-9_.-]+)(?:\[[^]]*\])?\s*>=\s*([^,\s]+)", spec)
