@@ -18,7 +18,9 @@ from seqstate.engine import Decoding, RowRequest, Stepper, generate
 from seqstate.engine import step as step_module
 from seqstate.engine.masks import allowed_mask, allowed_masks, constrained
 from seqstate.engine.rows import LiveRow
-from seqstate.sampling.functions import greedy_list, greedy_tokens, picked_values
+from seqstate.engine.buffers import StepBuffers
+from seqstate.engine.logits import greedy_list, picked_values
+from seqstate.sampling.functions import greedy_tokens
 
 
 def drive(model, stepper):
@@ -55,6 +57,59 @@ def test_stepper_rejects_bad_logits(tiny):
         st.step(torch.zeros(2, tiny.vocab.size))
 
 
+def test_a_stepper_takes_requests_or_rows_one_of_them(tiny):
+    row = LiveRow(RowRequest(tuple(tiny.encode("Hi")), 8), tiny.vocab, tiny.eos_token_ids)
+    for args, says in (({}, "neither"), ({"requests": [[1, 2]], "rows": [row]}, "both")):
+        with pytest.raises(ss.ArgumentError, match=f"one of them; it was given {says}"):
+            Stepper(tiny, **args)
+    assert Stepper(tiny, rows=[row]).rows == [row]
+
+
+class _Kept(StepBuffers):
+    """Buffers that remember the names a step asked them for."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def tensor(self, name, like, rows=None):
+        self.names.append(name)
+        return super().tensor(name, like, rows)
+
+
+def _digits(model):
+    return [RowRequest(tuple(model.encode("N:")), 4, ss.constraints.regex(model, "[0-9]+").start())]
+
+
+def test_a_step_writes_into_the_buffers_it_is_handed_else_its_own(tiny):
+    logits = torch.randn(1, tiny.vocab.size, generator=torch.Generator().manual_seed(0))
+    sampled = Decoding(ss.multinomial(), torch.Generator().manual_seed(0))
+    handed, stepper = _Kept(), Stepper(tiny, _digits(tiny), sampled)
+    stepper._own = _Kept()
+    stepper.step(logits, buffers=handed)
+    assert handed.names == ["masked"] and stepper._own.names == []
+    stepper.step(logits)
+    assert handed.names == ["masked"] and stepper._own.names == ["masked"]
+
+
+def test_a_run_hands_its_buffers_to_its_jobs_steps(fresh_tiny):
+    """The scheduler's run owns the tensors its jobs' steps write (no thread's state)."""
+    from seqstate.engine.decode import DecodeJob
+    from seqstate.engine.running import _Run
+
+    job = DecodeJob(fresh_tiny, _digits(fresh_tiny),
+                    Decoding(ss.multinomial(), torch.Generator().manual_seed(0)))
+    run = _Run(fresh_tiny.backend)
+    run.buffers, run.waiting = _Kept(), [job]
+    try:
+        with torch.inference_mode():
+            while run.jobs:
+                run.step()
+    finally:
+        run.close()
+    assert job.outbox.get()[0] == "done" and "masked" in run.buffers.names
+
+
 def test_greedy_step_with_infinities_matches_argmax_and_log_softmax(tiny):
     """A greedy step reads each row's finiteness off its best logit: rows holding -inf
     take their argmax, a row holding +inf its +inf token (its log-prob NaN, as the
@@ -65,7 +120,7 @@ def test_greedy_step_with_infinities_matches_argmax_and_log_softmax(tiny):
     logits[1, 17] = float("inf")
     rows = [LiveRow(RowRequest(tuple(tiny.encode("Hi")), 8), tiny.vocab, tiny.eos_token_ids)
             for _ in range(3)]
-    Stepper(tiny, [], rows=rows).step(logits)
+    Stepper(tiny, rows=rows).step(logits)
     want = logits.argmax(-1).tolist()
     logprobs = logits.log_softmax(-1)
     assert [r.tokens[-1] for r in rows] == want and want[1] == 17
@@ -75,7 +130,7 @@ def test_greedy_step_with_infinities_matches_argmax_and_log_softmax(tiny):
     for bad in (float("-inf"), float("nan")):
         logits[2] = bad
         with pytest.raises(ss.LogitsError, match="NaN/inf"):
-            Stepper(tiny, [], rows=[_twin(r) for r in rows]).step(logits)
+            Stepper(tiny, rows=[_twin(r) for r in rows]).step(logits)
 
 
 @pytest.mark.parametrize("sampler", [ss.greedy(), ss.multinomial(temperature=1.0)])
@@ -264,7 +319,7 @@ def test_greedy_step_is_the_masked_argmax(tiny, walked, seed, levels, spiked):
     dead = (~masks.any(-1)).tolist()
     best = logits.argmax(-1).tolist()
     before = [row.cursor for row in rows]
-    stepper = Stepper(tiny, [], rows=rows)
+    stepper = Stepper(tiny, rows=rows)
     masked = []                                  # the rows the step built masks for
 
     def spied(some, *args):

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from seqstate.backends.base import Fed
+from seqstate.engine.buffers import StepBuffers
 from seqstate.engine.decode import FIRST_CAPACITY, commit
 from seqstate.engine.rows import LiveRow, RowRequest, RowResult
 from seqstate.engine.job import Job, last_logits
@@ -179,7 +180,7 @@ class BeamJob(Job):
     def wants(self) -> tuple[list[int], list[list[int]]]:
         return [b.slot for b in self.beams.live], [[b.row.tokens[-1]] for b in self.beams.live]
 
-    def step(self, batch, logits: torch.Tensor | Fed) -> bool:
+    def step(self, batch, logits: torch.Tensor | Fed, buffers: StepBuffers) -> bool:
         beams = self.beams
         found = candidates(last_logits(logits), beams.live, beams.k)
         survivors = beams.advance(found, lambda parent, row: commit(batch, parent.slot, row))

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
-
 import torch
 
-__all__ = ["StepBuffers", "shared_buffers", "shared"]
+__all__ = ["StepBuffers"]
 
 
 class StepBuffers:
@@ -38,24 +34,3 @@ class StepBuffers:
     def close(self) -> None:
         """Drop the tensors."""
         self._tensors.clear()
-
-
-class _Shared(threading.local):
-    buffers: StepBuffers | None = None            # this thread's, inside `shared_buffers`
-
-
-shared = _Shared()
-
-
-@contextlib.contextmanager
-def shared_buffers() -> Iterator[StepBuffers]:
-    """Steppers stepping on this thread inside the block share one `StepBuffers` (an engine
-    worker's steps, one job's after another's), dropped at its end; elsewhere each stepper
-    keeps its own."""
-    before = shared.buffers
-    shared.buffers = buffers = StepBuffers()
-    try:
-        yield buffers
-    finally:
-        shared.buffers = before
-        buffers.close()

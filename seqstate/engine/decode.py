@@ -39,7 +39,7 @@ class DecodeJob(Job):
         self.speculate = decoding.speculate
         self.feeds: dict[int, list[int]] = {}
         self.rows = [LiveRow(req, model.vocab, model.eos_token_ids) for req in requests]
-        self.stepper = Stepper(model, requests, decoding, rows=self.rows)
+        self.stepper = Stepper(model, decoding=decoding, rows=self.rows)
         self.results: dict[int, RowResult] = {}
 
     def needs(self) -> tuple[list[Sequence[int]], int]:
@@ -87,21 +87,22 @@ class DecodeJob(Job):
         room = row.req.max_new - (len(row.generated) - row.respelled) - 1
         return row.cursor.draft()[:room] if room > 0 else ()
 
-    def step(self, batch, logits: torch.Tensor | Fed) -> bool:
+    def step(self, batch, logits: torch.Tensor | Fed, buffers: StepBuffers) -> bool:
         # position j of every row still following its draft: sample, run hooks, accept; a row
         # stops at the first token that differs from its draft (a sampler's own choice, a
         # hook's replacement or rollback, or the end of the row)
         live = self.stepper.live
         if isinstance(logits, torch.Tensor):         # no draft this step: a row per live row
-            self.stepper.step(logits, live)
+            self.stepper.step(logits, live, buffers)
         else:
             start = dict(zip(live, logits.starts))  # row -> its first row in logits.logits
             following, j, accepted = live, 0, 0
             while following:
                 # hooks' events carry the logits (a hook may keep them): not a kept tensor
-                into = None if self.stepper.hooks else self.stepper.buffers
+                into = None if self.stepper.hooks else buffers
                 index = [start[i] + j for i in following]
-                events = self.stepper.step(_gather(logits.logits, index, into), following)
+                events = self.stepper.step(_gather(logits.logits, index, into), following,
+                                           buffers)
                 kept = {ev.row for ev in events if ev.token is not None and not ev.rolled_back
                         and not self.rows[ev.row].done and j + 1 < len(self.feeds[ev.row])
                         and ev.token == self.feeds[ev.row][j + 1]}

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from seqstate.backends.base import Fed
+from seqstate.engine.buffers import StepBuffers
 
 __all__ = ["Job", "last_logits"]
 
@@ -61,10 +62,11 @@ class Job:
         """``(slots, feeds)`` to feed this step: one or more tokens per slot."""
         raise NotImplementedError
 
-    def step(self, batch, logits: torch.Tensor | Fed) -> bool:
+    def step(self, batch, logits: torch.Tensor | Fed, buffers: StepBuffers) -> bool:
         """Consume this job's logits, ``(len(feeds[j]), V)`` per slot, or one ``(n, V)``
         tensor, a row per slot, when every slot of the step was fed one token (see
-        `last_logits`); True when finished."""
+        `last_logits`); True when finished.  ``buffers``: the run's kept tensors, for the
+        large ones a step writes."""
         raise NotImplementedError
 
     def run(self, backend) -> bool:

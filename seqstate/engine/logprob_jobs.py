@@ -22,6 +22,7 @@ import torch
 
 from seqstate.backends.base import Fed, Handle, Scored
 from seqstate.backends.teacher_forcing import prefix_groups, store_rows
+from seqstate.engine.buffers import StepBuffers
 from seqstate.engine.job import Job, last_logits
 from seqstate.sampling.functions import check_logprobs
 
@@ -135,7 +136,7 @@ class NextJob(Job):
     def wants(self) -> tuple[list[int], list[list[int]]]:
         return list(self.slots), [[row[-1]] for row in self.rows]
 
-    def step(self, batch, logits: torch.Tensor | Fed) -> bool:
+    def step(self, batch, logits: torch.Tensor | Fed, buffers: StepBuffers) -> bool:
         out = check_logprobs(last_logits(logits).float().log_softmax(-1))
         for slot, row in zip(self.slots, self.rows):
             batch.commit(slot, row, len(row))

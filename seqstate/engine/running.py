@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from seqstate.backends.base import CacheFullError, Fed
+from seqstate.engine.buffers import StepBuffers
 from seqstate.engine.job import Job
 from seqstate.errors import ContextOverflowError
 
@@ -27,11 +28,14 @@ __all__ = ["_Run"]
 
 class _Run:
     """A batch and the jobs one worker holds: running (rows in the batch) and waiting (not
-    admitted yet, or paused while the cache was full), each list oldest first."""
+    admitted yet, or paused while the cache was full), each list oldest first.  The run
+    owns the tensors its jobs' steps write (``buffers``), kept from step to step while it
+    lives and handed to each job's step."""
 
     def __init__(self, backend) -> None:
         self.backend = backend
         self.batch = backend.batch()
+        self.buffers = StepBuffers()
         self.running: list[Job] = []
         self.waiting: list[Job] = []
         self.blocked = False      # the cache was full: admit no one until a job leaves
@@ -60,7 +64,7 @@ class _Run:
             part = logits if alone else logits[offset: offset + len(mine)]
             offset += len(mine)
             try:
-                done = job.step(self.batch, part)
+                done = job.step(self.batch, part, self.buffers)
             except BaseException as exc:          # noqa: BLE001 - fails this job alone
                 self._end(job, exc)
             else:
@@ -182,6 +186,7 @@ class _Run:
         self.blocked = False
 
     def close(self) -> None:
+        self.buffers.close()
         try:
             self.batch.close()
         except Exception:                             # noqa: BLE001 - a broken batch: dropped

@@ -39,7 +39,6 @@ import torch
 from seqstate.backends.base import Handle, Scored
 from seqstate.engine import logprob_jobs
 from seqstate.engine.beam import BeamJob
-from seqstate.engine.buffers import shared_buffers
 from seqstate.engine.decode import DecodeJob
 from seqstate.engine.job import Job
 from seqstate.engine.rows import Decoding, LiveRow, RowRequest, RowResult
@@ -192,9 +191,9 @@ class Scheduler:
         run.waiting.append(job)
         try:
             while True:
-                # buffers of its own: a call nested in a hook runs inside a step whose buffers
-                # are in use
-                with self.model.lock, torch.inference_mode(), shared_buffers():
+                # its run's buffers are its own: a call nested in a hook runs inside a step
+                # whose buffers are in use
+                with self.model.lock, torch.inference_mode():
                     try:
                         run.step()
                     except BaseException as exc:  # noqa: BLE001 - the batch failed this job
@@ -214,8 +213,8 @@ class Scheduler:
             self.model.backend.on_worker_start()
             run = _Run(self.model.backend)
             # the worker runs nothing but engine steps: inference mode once, not once a step;
-            # its jobs' steps share the tensors they write while it lives
-            with torch.inference_mode(), shared_buffers():
+            # its jobs' steps share the tensors they write while it lives (its run's buffers)
+            with torch.inference_mode():
                 while True:
                     with self._cv:
                         if self._closed:

@@ -12,12 +12,13 @@ from collections.abc import Sequence
 
 import torch
 
-from seqstate.engine.buffers import StepBuffers, shared
+from seqstate.engine.buffers import StepBuffers
+from seqstate.engine.logits import check_rows, finite_rows, greedy_list, picked_values
 from seqstate.engine.masks import allowed_masks, constrained
 from seqstate.engine.rows import Decoding, LiveRow, RowRequest, RowResult
+from seqstate.errors import ArgumentError
 from seqstate.finish import FinishReason
 from seqstate.hooks import Hooked, run_hooks
-from seqstate.sampling.functions import check_rows, finite_rows, greedy_list, picked_values
 from seqstate.sampling.params import Greedy
 
 __all__ = ["Stepper", "StepEvent"]
@@ -45,6 +46,9 @@ class Stepper:
         One `RowRequest` per row (or plain token lists, unconstrained, with ``max_new`` 64).
     decoding : Decoding
         The call's sampler, RNG, hooks and backtrack limit (greedy, no hooks by default).
+    rows : list of LiveRow, keyword-only
+        The rows themselves, instead of ``requests`` (a scheduler's job keeps them): give
+        one of the two (`ArgumentError` otherwise).
 
     Examples
     --------
@@ -58,12 +62,17 @@ class Stepper:
     True
     """
 
-    def __init__(self, model, requests: Sequence[RowRequest | Sequence[int]],
-                 decoding: Decoding = Decoding(), rows: Sequence[LiveRow] | None = None) -> None:
-        reqs = [r if isinstance(r, RowRequest) else RowRequest(tuple(r), 64) for r in requests]
-        self.rows = list(rows) if rows is not None else [LiveRow(r, model.vocab, model.eos_token_ids)
-                                                         for r in reqs]
-        self.vocab = model.vocab
+    def __init__(self, model, requests: Sequence[RowRequest | Sequence[int]] | None = None,
+                 decoding: Decoding = Decoding(), *,
+                 rows: Sequence[LiveRow] | None = None) -> None:
+        if (requests is None) == (rows is None):
+            raise ArgumentError("Stepper takes its rows as requests (RowRequests or token "
+                                "lists) or as live rows (rows=), one of them; it was given "
+                                + ("neither" if rows is None else "both"))
+        if rows is None:
+            rows = [LiveRow(r if isinstance(r, RowRequest) else RowRequest(tuple(r), 64),
+                            model.vocab, model.eos_token_ids) for r in requests]
+        self.rows = list(rows)
         self.decoding = decoding
         self.hooks = decoding.hooks
         self._own = StepBuffers()
@@ -81,32 +90,31 @@ class Stepper:
         """Row ``i``'s tokens so far (the logits to feed are the next token's after these)."""
         return list(self.rows[i].tokens)
 
-    @property
-    def buffers(self) -> StepBuffers:
-        """The buffers this step writes into: the thread's `shared_buffers`, else its own."""
-        return shared.buffers or self._own
-
     def close(self) -> None:
-        """Drop its own buffers."""
+        """Drop its own buffers (those it steps with when it is handed none)."""
         self._own.close()
 
     def results(self, handles: Sequence | None = None) -> list[RowResult]:
         return [r.result(handles[i] if handles else None) for i, r in enumerate(self.rows)]
 
-    def step(self, logits: torch.Tensor, rows: Sequence[int] | None = None) -> list[StepEvent]:
+    def step(self, logits: torch.Tensor, rows: Sequence[int] | None = None,
+             buffers: StepBuffers | None = None) -> list[StepEvent]:
         """Advance every live row by one token given its logits (B_live, V), in ``live`` order
-        (or only ``rows``, live rows given in that order)."""
+        (or only ``rows``, live rows given in that order).  ``buffers``: where the step
+        writes its large tensors, kept from step to step by whoever runs it (a scheduler's
+        run); None: the stepper's own."""
         live = self.live if rows is None else list(rows)
+        buffers = self._own if buffers is None else buffers
         check_rows(logits, len(live))
         logits = logits.float()                                                         # (B, V)
         best = greedy_list(logits)                                                      # (B,)
         finite = finite_rows(logits, best)
         # 1. constrain and 2. sample; rows whose mask allows nothing are dead ends
         if isinstance(self.decoding.sampler, Greedy) and not self.hooks:
-            chosen, events = self._greedy(live, logits, best, finite)
+            chosen, events = self._greedy(live, logits, best, finite, buffers)
             masked = logits
         else:
-            masked, events = self._masked(live, logits, finite)
+            masked, events = self._masked(live, logits, finite, buffers)
             chosen = self._choose(masked, live).tolist()                               # (B,)
         # the model's log-prob of a token: its logit less its row's logsumexp
         norms = torch.logsumexp(logits, dim=-1).tolist()                                # (B,)
@@ -131,7 +139,7 @@ class Stepper:
         return events
 
     def _greedy(self, live: Sequence[int], logits: torch.Tensor, best: list[int],
-                finite: bool) -> tuple[list[int], list[StepEvent]]:
+                finite: bool, buffers: StepBuffers) -> tuple[list[int], list[StepEvent]]:
         """Greedy's tokens: a row whose cursor and bans allow its ``best`` token takes it (the
         masked argmax is the same token, ties too: no allowed token before it holds its
         value); the other rows are masked together and take their masked argmax."""
@@ -141,16 +149,16 @@ class Stepper:
         some = logits
         if len(refused) < len(live):
             where = torch.tensor(refused, device=logits.device)                        # (R,)
-            out = self.buffers.tensor("gathered", logits, len(refused))
+            out = buffers.tensor("gathered", logits, len(refused))
             some = torch.index_select(logits, 0, where, out=out)                       # (R, V)
-        masked, events = self._masked([live[j] for j in refused], some, finite)
+        masked, events = self._masked([live[j] for j in refused], some, finite, buffers)
         chosen = list(best)
         for j, token in zip(refused, greedy_list(masked)):
             chosen[j] = token
         return chosen, events
 
-    def _masked(self, rows: Sequence[int], logits: torch.Tensor, finite: bool
-                ) -> tuple[torch.Tensor, list[StepEvent]]:
+    def _masked(self, rows: Sequence[int], logits: torch.Tensor, finite: bool,
+                buffers: StepBuffers) -> tuple[torch.Tensor, list[StepEvent]]:
         """``rows``' logits with what their cursors and bans refuse at -inf (``logits``
         itself where nothing is refused and no hook may ban), and the events of the rows left
         with nothing allowed: they finish as dead ends (their masked rows are their logits,
@@ -158,7 +166,7 @@ class Stepper:
         allowed = allowed_masks([self.rows[i] for i in rows], logits.shape[-1], logits.device)
         if allowed is None:
             return (logits.clone() if self.hooks else logits), []
-        masked = constrained(logits, allowed, finite, self.buffers.tensor("masked", logits))
+        masked = constrained(logits, allowed, finite, buffers.tensor("masked", logits))
         events = []
         for j in (~allowed.any(dim=-1)).nonzero().flatten().tolist():                # dead ends
             self.rows[rows[j]].finish(FinishReason.DEAD_END)
