@@ -16,7 +16,7 @@ from seqstate.constraints.healing import HealingCursor
 from seqstate.detokenize import StopMatcher
 from seqstate.engine import Decoding, RowRequest, Stepper, generate
 from seqstate.engine import step as step_module
-from seqstate.engine.masks import allowed_mask, allowed_masks, constrained
+from seqstate.engine.masks import allowed_mask, allowed_masks, constrained, packed_masks
 from seqstate.engine.rows import LiveRow
 from seqstate.engine.buffers import StepBuffers
 from seqstate.engine.logits import greedy_list, picked_values
@@ -324,9 +324,9 @@ def test_greedy_step_is_the_masked_argmax(tiny, walked, seed, levels, spiked):
 
     def spied(some, *args):
         masked.extend(some)
-        return allowed_masks(some, *args)
+        return packed_masks(some, *args)
 
-    with mock.patch.object(step_module, "allowed_masks", spied):
+    with mock.patch.object(step_module, "packed_masks", spied):
         events = {ev.row: ev for ev in stepper.step(logits)}
     for j, row in enumerate(rows):
         if not dead[j] and best[j] == expected[j] and masks[j, best[j]]:

@@ -7,8 +7,12 @@ overrides the defaults where it can do more (drafts, validation, prefixing, a kn
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
+import numpy as np
 import torch
+
+from seqstate.constraints import bitmask
 
 __all__ = ["Cursor", "Constraint"]
 
@@ -34,10 +38,13 @@ class Cursor(ABC):
         return token < mask.shape[0] and bool(mask[token])
 
     @classmethod
-    def prepare(cls, cursors: list[Cursor]) -> None:
-        """Compute the ``allowed`` masks of several cursors of this class together, before the
-        engine asks each for its own (one step's rows).  Nothing by default: each computes
-        its mask when asked."""
+    def fill(cls, cursors: list[Cursor], out: np.ndarray, rows: Sequence[int]) -> None:
+        """Write the ``allowed`` masks of several cursors of this class (one step's rows),
+        packed (`seqstate.constraints.bitmask`), into ``rows`` of ``out`` (B, W): together,
+        where a kind can do better (llguidance fills a batch's masks in parallel).  By
+        default each cursor's ``allowed``, packed."""
+        for cursor, j in zip(cursors, rows):
+            out[j] = bitmask.pack(cursor.allowed(), out.shape[1])
 
     @abstractmethod
     def advance(self, token: int) -> Cursor | None:

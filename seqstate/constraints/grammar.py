@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import llguidance
 import llguidance.numpy
@@ -19,7 +19,7 @@ from llguidance import TokenizerWrapper
 import numpy as np
 import torch
 
-from seqstate.constraints import spec
+from seqstate.constraints import bitmask, spec
 from seqstate.constraints.base import Constraint, Cursor
 from seqstate.errors import ConstraintError
 
@@ -124,6 +124,13 @@ class GrammarConstraint(Constraint):
     def remote(self) -> dict:
         return {spec.GRAMMAR: self.grammar}
 
+    def kept(self, packed: np.ndarray, accepting: Sequence[bool]) -> np.ndarray:
+        """llguidance's packed masks (n, >= W) as cursors keep them (n, W), changed in place:
+        EOS allowed where the row is ``accepting``, nothing past the vocabulary."""
+        bitmask.set_bits(packed, self.eos, accepting)
+        bitmask.trim(packed, self.vocab_size)
+        return packed[:, : bitmask.words(self.vocab_size)]
+
     def start(self) -> GrammarCursor:
         return GrammarCursor(self, self._origin.deep_copy())
 
@@ -161,13 +168,13 @@ class GrammarConstraint(Constraint):
 class GrammarCursor(Cursor):
     """An llguidance matcher owned by exactly one generated token; never advanced in place."""
 
-    __slots__ = ("constraint", "matcher", "_bits", "_mask", "_draft", "_forced",
+    __slots__ = ("constraint", "matcher", "_words", "_mask", "_draft", "_forced",
                  "_next", "__weakref__")
 
     def __init__(self, constraint: GrammarConstraint, matcher) -> None:
         self.constraint = constraint
         self.matcher = matcher
-        self._bits: np.ndarray | None = None
+        self._words: np.ndarray | None = None
         self._mask: torch.Tensor | None = None
         self._draft: tuple[int, ...] | None = None
         self._forced: bytes | None = None
@@ -188,12 +195,20 @@ class GrammarCursor(Cursor):
             self._draft = tuple(tokens[: self.matcher.validate_tokens(tokens)])
         return self._draft
 
+    def words(self) -> np.ndarray:
+        """The allowed tokens as a packed row (`seqstate.constraints.bitmask`), EOS allowed
+        where accepting; computed once per cursor (the engine asks for it, then ``complete``
+        does), and shared, so callers must not write to it."""
+        if self._words is None:
+            packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32)[None]
+            self._words = self.constraint.kept(packed.copy(), [self.accepting])[0]
+        return self._words
+
     def allowed(self) -> torch.Tensor:
-        """The allowed tokens; computed once per cursor (the engine asks for it, then
-        ``complete`` does), and shared, so callers must not write to it."""
+        """The allowed tokens (`words` unpacked, once); shared, so callers must not write to
+        it."""
         if self._mask is None:
-            packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-            self._keep(np.unpackbits(packed, bitorder="little"))
+            self._mask = bitmask.unpack(self.words()[None], self.constraint.vocab_size)[0]
         return self._mask
 
     def forced(self) -> bytes:
@@ -207,34 +222,31 @@ class GrammarCursor(Cursor):
         the grammar forces bytes: there the mask also refuses a token that spells only the
         start of a longer one the forced bytes make canonical (``h`` where ``hello``
         follows), which the matcher alone would take."""
-        if self._bits is None and self.forced():
-            self.allowed()
-        if self._bits is not None:
-            return token < self._bits.shape[0] and bool(self._bits[token])
+        if self._words is None and self.forced():
+            self.words()
+        if self._words is not None:
+            return token < self.constraint.vocab_size and bitmask.has(self._words, token)
         if token in self.constraint.eos:
             return self.accepting
         return token < self.constraint.vocab_size and self.matcher.validate_tokens([token]) == 1
 
     @classmethod
-    def prepare(cls, cursors: list[GrammarCursor]) -> None:
-        """Fill the masks of the cursors that lack one in one parallel llguidance call per
-        grammar's executor (it releases the GIL), unpacked together."""
-        todo = list({id(c): c for c in cursors if c._mask is None}.values())
-        if len(todo) < 2:
-            return
-        first = todo[0].constraint
-        packed = llguidance.numpy.allocate_token_bitmask(len(todo), first.vocab_size)  # (n, W)
-        llguidance.numpy.fill_next_token_bitmask_par(
-            first.executor, [(c.matcher, k) for k, c in enumerate(todo)], packed)
-        bits = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")   # (n, 32 W)
-        for c, row in zip(todo, bits):
-            c._keep(row[: c.constraint.vocab_size].copy())   # its own: a cursor outlives the step
-
-    def _keep(self, bits: np.ndarray) -> None:
-        """Cache the unpacked mask ``bits`` (uint8, >= V), EOS allowed where accepting."""
-        bits = bits[: self.constraint.vocab_size].view(bool)                       # (V,)
-        bits[self.constraint.eos] = self.accepting
-        self._bits, self._mask = bits, torch.from_numpy(bits)
+    def fill(cls, cursors: list[GrammarCursor], out: np.ndarray, rows: Sequence[int]) -> None:
+        """The cursors' packed masks into ``rows`` of ``out``: those not known yet computed in
+        one parallel llguidance call (it releases the GIL), each kept by its cursor (a cursor
+        outlives the step)."""
+        todo = list({id(c): c for c in cursors if c._words is None}.values())
+        if todo:
+            first = todo[0].constraint
+            fresh = llguidance.numpy.allocate_token_bitmask(len(todo), first.vocab_size)
+            llguidance.numpy.fill_next_token_bitmask_par(
+                first.executor, [(c.matcher, k) for k, c in enumerate(todo)], fresh)  # (n, W)
+            for c, row in zip(todo, first.kept(fresh, [c.accepting for c in todo])):
+                c._words = row.copy()       # its own: the batch's other rows may end sooner
+        for c, j in zip(cursors, rows):
+            n = c._words.shape[0]
+            out[j, :n] = c._words
+            out[j, n:] = 0
 
     def advance(self, token: int) -> GrammarCursor:
         """The cursor after ``token``.  The same token from the same cursor gives the same
@@ -261,6 +273,6 @@ class GrammarCursor(Cursor):
         return self.matcher.is_stopped() or (self.accepting and not self._can_continue())
 
     def _can_continue(self) -> bool:
-        self.allowed()
-        eos = self.constraint.eos
-        return int(np.count_nonzero(self._bits)) > int(np.count_nonzero(self._bits[eos]))
+        words = self.words().copy()
+        bitmask.set_bits(words, self.constraint.eos, False)
+        return bool(words.any())

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from seqstate.constraints import bitmask
 from seqstate.engine.rows import LiveRow
 
-__all__ = ["allowed_mask", "allowed_masks", "constrained"]
+__all__ = ["allowed_mask", "allowed_masks", "packed_masks", "constrained"]
 
 
 def allowed_mask(row: LiveRow, vocab_size: int,
@@ -27,38 +29,39 @@ def allowed_mask(row: LiveRow, vocab_size: int,
     return mask
 
 
-def allowed_masks(rows: Sequence[LiveRow], vocab_size: int,
-                  device: torch.device) -> torch.Tensor | None:
-    """Bool masks (B, V) on ``device``: every row's `allowed_mask` at once, or None when no row
-    is constrained or banned.
+def packed_masks(rows: Sequence[LiveRow], vocab_size: int) -> np.ndarray | None:
+    """Every row's `allowed_mask` packed (`seqstate.constraints.bitmask`): int32 (B, W), or
+    None when no row is constrained or banned.  A row whose words are all zero allows nothing.
 
-    Cursors of one kind compute their masks together (`Cursor.prepare`: llguidance fills
-    a batch's bitmasks in parallel); the masks, cached on the CPU by their constraints, are
-    stacked and moved to ``device`` in one copy.
+    Cursors of one kind fill their rows together (`Cursor.fill`: llguidance fills a batch's
+    bitmasks in parallel, into this form); bans clear their bits.
     """
     cursors = [r.cursor for r in rows]
     bans = [r.bans.get(len(r.tokens)) for r in rows]
-    constrained_rows = [j for j, c in enumerate(cursors) if c is not None]
-    if not constrained_rows and not any(bans):
+    if all(c is None for c in cursors) and not any(bans):
         return None
-    kinds: dict[type, list] = {}
-    for c in cursors:
+    out = np.full((len(rows), bitmask.words(vocab_size)), -1, dtype=np.int32)        # (B, W)
+    kinds: dict[type, tuple[list, list[int]]] = {}
+    for j, c in enumerate(cursors):
         if c is not None:
-            kinds.setdefault(type(c), []).append(c)
-    for kind, group in kinds.items():
-        kind.prepare(group)
-    parts = [cursors[j].allowed() for j in constrained_rows]                   # (V_tok,) each
-    if len(constrained_rows) == len(rows) and all(p.shape[0] == vocab_size for p in parts):
-        mask = torch.stack(parts).to(device, non_blocking=True)                    # (B, V)
-    else:
-        mask = torch.ones(len(rows), vocab_size, dtype=torch.bool, device=device)  # (B, V)
-        for j, part in zip(constrained_rows, parts):
-            mask[j, : part.shape[0]] = part.to(device, non_blocking=True)
-            mask[j, part.shape[0]:] = False
+            group, at = kinds.setdefault(type(c), ([], []))
+            group.append(c)
+            at.append(j)
+    for kind, (group, at) in kinds.items():
+        kind.fill(group, out, at)
     for j, banned in enumerate(bans):
         if banned:
-            mask[j, torch.tensor(sorted(banned), dtype=torch.long, device=device)] = False
-    return mask
+            bitmask.set_bits(out[j], sorted(banned), False)
+    bitmask.trim(out, vocab_size)
+    return out
+
+
+def allowed_masks(rows: Sequence[LiveRow], vocab_size: int,
+                  device: torch.device) -> torch.Tensor | None:
+    """Bool masks (B, V) on ``device``: every row's `allowed_mask` at once (`packed_masks`,
+    unpacked on ``device``), or None when no row is constrained or banned."""
+    packed = packed_masks(rows, vocab_size)
+    return None if packed is None else bitmask.unpack(packed, vocab_size, device)
 
 
 def constrained(logits: torch.Tensor, allowed: torch.Tensor, finite: bool = False,

@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from seqstate.constraints import bitmask
 from seqstate.engine.buffers import StepBuffers
 from seqstate.engine.logits import check_rows, finite_rows, greedy_list, picked_values
-from seqstate.engine.masks import allowed_masks, constrained
+from seqstate.engine.masks import constrained, packed_masks
 from seqstate.engine.rows import Decoding, LiveRow, RowRequest, RowResult
 from seqstate.errors import ArgumentError
 from seqstate.finish import FinishReason
@@ -163,12 +165,13 @@ class Stepper:
         itself where nothing is refused and no hook may ban), and the events of the rows left
         with nothing allowed: they finish as dead ends (their masked rows are their logits,
         for a token that is dropped)."""
-        allowed = allowed_masks([self.rows[i] for i in rows], logits.shape[-1], logits.device)
-        if allowed is None:
+        packed = packed_masks([self.rows[i] for i in rows], logits.shape[-1])         # (B, W)
+        if packed is None:
             return (logits.clone() if self.hooks else logits), []
+        allowed = bitmask.unpack(packed, logits.shape[-1], logits.device)               # (B, V)
         masked = constrained(logits, allowed, finite, buffers.tensor("masked", logits))
         events = []
-        for j in (~allowed.any(dim=-1)).nonzero().flatten().tolist():                # dead ends
+        for j in np.flatnonzero(~packed.any(axis=1)).tolist():                        # dead ends
             self.rows[rows[j]].finish(FinishReason.DEAD_END)
             events.append(StepEvent(rows[j], None, "", finish_reason=FinishReason.DEAD_END))
             masked[j] = logits[j]
