@@ -17,6 +17,15 @@ served in its dev mode); hit rates are the servers' own ``/metrics`` counters
   (SIGKILL) once a third of the programs are done; every program must finish with the
   one-server run's tokens.  The killed server's counters die with it: the hit rate is the
   survivors'.
+- ``router consistent_hash`` / ``router cache_aware``: one URL, vllm-router (`Router`) in
+  front of the servers with that policy; seqstate sends each request's lineage key in the
+  ``X-Session-ID`` header, which ``consistent_hash`` hashes first;
+- ``router, one killed``: through the ``consistent_hash`` router, the server with the most
+  requests running (by its ``/metrics``) killed once a third of the programs are done.
+
+Then `CHATS` unrelated chats behind one system prompt of ~`SYSTEM_TOKENS` tokens, through
+the ``consistent_hash`` router: how their requests spread over the servers (a key made from
+the shared prompt alone would send them all to one).
 """
 
 from __future__ import annotations
@@ -31,9 +40,8 @@ from concurrent.futures import ThreadPoolExecutor
 import urllib3
 
 import seqstate as ss
-from seqstate.backends.vllm import metrics
-from seqstate.backends.vllm.routing import Router
-from seqstate.vllm import Server
+from seqstate.backends.vllm import metrics, routing
+from seqstate.vllm import Router, Server
 
 PREFIXES = 6
 PER_PREFIX = 6
@@ -47,9 +55,11 @@ START_SECONDS = 1800.0   # three servers starting at once on a busy CPU
 WORDS = ("river stone lantern orchard copper meadow harbor thistle quarry ember willow "
          "falcon glacier saddle velvet marble cinder hollow pewter tundra").split()
 OPTIONS = [" yes", " no", " unsure"]
+CHATS = 36
+SYSTEM_TOKENS = 200
 
 
-class RoundRobin(Router):
+class RoundRobin(routing.Router):
     """Each request to the next replica in turn, whatever its tokens (no affinity)."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -105,8 +115,9 @@ def run(model, docs, kill=None) -> tuple[float, list]:
     return time.perf_counter() - t0, results
 
 
-def counters(http, urls) -> list[tuple[float, float] | None]:
-    """Each server's (queries, hits) in tokens, from its /metrics (None if it is gone)."""
+def counters(http, urls) -> list[tuple[float, float, float] | None]:
+    """Each server's (prefix-cache queries, hits, requests finished), from its /metrics
+    (None if it is gone)."""
     out = []
     for url in urls:
         try:
@@ -115,7 +126,8 @@ def counters(http, urls) -> list[tuple[float, float] | None]:
             out.append(None)
             continue
         out.append((metrics.total(samples, "vllm:prefix_cache_queries"),
-                    metrics.total(samples, "vllm:prefix_cache_hits")))
+                    metrics.total(samples, "vllm:prefix_cache_hits"),
+                    metrics.total(samples, "vllm:request_success")))
     return out
 
 
@@ -126,14 +138,46 @@ def measured(name, model, urls, http, docs, kill=None):
     seconds, results = run(model, docs, kill)
     after = counters(http, urls)
     # a killed server's counters are gone with it: its share is left out
-    per = [(a[0] - b[0], a[1] - b[1]) if a else None for a, b in zip(after, before)]
+    per = [tuple(x - y for x, y in zip(a, b)) if a else None for a, b in zip(after, before)]
     queries = sum(p[0] for p in per if p)
     hits = sum(p[1] for p in per if p)
     spread = " ".join("killed" if p is None else f"{p[1] / p[0]:.2f}" if p[0] else "-"
                       for p in per)
-    print(f"  {name:<18} {seconds:7.1f} s   hit rate {hits / max(1, queries):.3f}   "
-          f"({hits:.0f} of {queries:.0f} prompt tokens; per server {spread})")
+    served = " ".join("killed" if p is None else f"{p[2]:.0f}" for p in per)
+    print(f"  {name:<24} {seconds:7.1f} s   hit rate {hits / max(1, queries):.3f}   "
+          f"({hits:.0f} of {queries:.0f} prompt tokens; per server {spread}; "
+          f"requests per server {served})")
     return results
+
+
+def running(http, url) -> int:
+    """Requests running and waiting on the server at ``url`` (-1 if it is gone)."""
+    try:
+        page = http.request("GET", url + "/metrics").data.decode()
+    except urllib3.exceptions.HTTPError:
+        return -1
+    return sum(metrics.requests(metrics.parse(page)).values())
+
+
+def chats(model, urls, http) -> None:
+    """`CHATS` unrelated chats behind one system prompt: their requests per server."""
+    rng = random.Random(99)
+    system = "You are the harbour board's assistant. " + " ".join(
+        rng.choice(WORDS) for _ in range(SYSTEM_TOKENS - 10))
+    before = counters(http, urls)
+
+    def chat(k: int):
+        s = ss.chat(model).system(system).user(f"Question {k}: name a {WORDS[k % 20]}.")
+        s = s.assistant(ss.text(model), max_tokens=24)
+        s.user("And another?").assistant(ss.text(model), max_tokens=24)
+
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        list(pool.map(chat, range(CHATS)))
+    after = counters(http, urls)
+    per = [a[2] - b[2] for a, b in zip(after, before)]
+    print(f"  {CHATS} chats behind one {SYSTEM_TOKENS}-token system prompt, through the "
+          f"router: requests per server {[int(p) for p in per]}, the most "
+          f"{max(per) / max(1, sum(per)):.0%} of them")
 
 
 def main(model=None) -> None:
@@ -164,8 +208,43 @@ def main(model=None) -> None:
             os.killpg(servers[busiest].process.pid, signal.SIGKILL)
 
         failover = measured("pool, one killed", survivors, urls, http, docs, kill)
+        for server in servers:
+            if server.process is None or server.process.poll() is not None:
+                server.stop()
+                server.start(START_SECONDS)                 # the killed one, back
+        routed = {}
+        for policy in ("consistent_hash", "cache_aware"):
+            with Router(urls, policy, log=open(f"/tmp/seqstate-bench-router-{policy}.log",
+                                               "w")) as router:
+                through = ss.models.vllm(router.url)
+                routed[policy] = measured(f"router {policy}", through, urls, http, docs)
+                through.close()
+        with Router(urls, "consistent_hash",
+                    log=open("/tmp/seqstate-bench-router-killed.log", "w")) as router:
+            through = ss.models.vllm(router.url)
+
+            def kill_behind():              # the server with the most requests running
+                busiest = max(range(SERVERS), key=lambda i: running(http, urls[i]))
+                print(f"  (killing {urls[busiest]} behind the router, "
+                      f"{running(http, urls[busiest])} requests running)")
+                os.killpg(servers[busiest].process.pid, signal.SIGKILL)
+
+            routed["killed"] = measured("router, one killed", through, urls, http, docs,
+                                        kill_behind)
+            through.close()
+        for server in servers:
+            if server.process is None or server.process.poll() is not None:
+                server.stop()
+                server.start(START_SECONDS)
+        with Router(urls, "consistent_hash") as router:
+            through = ss.models.vllm(router.url)
+            chats(through, urls, http)
+            through.close()
         for name, got in (("round robin", robin), ("pool", ours),
-                          ("pool, one killed", failover)):
+                          ("pool, one killed", failover),
+                          ("router consistent_hash", routed["consistent_hash"]),
+                          ("router cache_aware", routed["cache_aware"]),
+                          ("router, one killed", routed["killed"])):
             same = sum(g == r for g, r in zip(got, reference))
             print(f"  {name}: {same}/{PROGRAMS} programs identical to the one-server run")
         states = [(r.url, r.health, r.served) for r in survivors.replicas]

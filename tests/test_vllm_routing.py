@@ -48,7 +48,7 @@ def test_continuations_forks_and_scores_follow_their_prefix():
         home = router.route(root, IDLE)
         router.record(root, home)
         generated = root + _tokens(100 + seed, 40)
-        router.record(generated, home)
+        router.record(generated, home, generated_from=len(root))
         assert router.route(root, IDLE) == home                      # a fork (same prompt)
         assert router.route(generated + [5, 6, 7], IDLE) == home     # its continuation
         assert router.route(root[:180] + [9] * 5, IDLE) == home      # a slice, then a score
@@ -63,6 +63,11 @@ def test_continuations_forks_and_scores_follow_their_prefix():
         assert moved == (home + 2) % 3
         router.record(generated + [1], moved)
         assert router.route(generated + [1, 2], IDLE) == moved
+        # a new root that extends the prompt alone (a chat behind a shared system prompt)
+        # is not a state's continuation: it spills past spill, as any new root
+        chat = root + _tokens(200 + seed, 10)
+        assert router.route(chat, {r: (5 if r == moved else 0) for r in IDLE}) != moved
+        assert router.route(chat, {r: (4 if r == moved else 0) for r in IDLE}) == moved
 
 
 def test_a_new_root_goes_home_the_same_on_every_client_and_spills_only_past_the_threshold():
@@ -458,9 +463,9 @@ def test_a_5xx_is_sent_again_and_a_4xx_is_raised_at_once():
 def test_a_lineage_keeps_one_key_and_unrelated_roots_get_their_own():
     sessions = Sessions(block=16, spill=4)
 
-    def served(tokens: list[int]) -> str:
+    def served(tokens: list[int], generated: list[int] = ()) -> str:
         key = sessions.begin(tokens)
-        sessions.record(tokens, key)
+        sessions.record(tokens + list(generated), key, generated_from=len(tokens))
         sessions.end(key)
         return key
 
@@ -491,8 +496,15 @@ def test_a_shared_prefix_with_more_than_spill_in_flight_gives_new_roots_keys_of_
     keys = [sessions.begin(chat) for chat in chats]        # all in flight at once
     assert keys[:3] == [shared] * 3                          # up to spill beyond: shared
     assert len(set(keys[3:])) == 3 and shared not in keys[3:]
-    # a state's own requests keep its key however busy it is (samples of one prompt)
-    assert sessions.begin(system) == shared
+    # so do chats whose own tokens end inside the system prompt's last, partial block
+    short = [sessions.begin(system + _tokens(20 + i, 5)) for i in range(3)]
+    assert len(set(short)) == 3 and shared not in short
+    # a request that continues a state (its chain reaches generated tokens) keeps the
+    # state's key however busy it is: a continuation, a beam's row, a score
+    answer = system + _tokens(30, 40)
+    sessions.record(answer, shared, generated_from=len(system))
+    assert sessions.begin(answer + [5, 6]) == shared
+    assert sessions.begin(answer[:230] + [7]) == shared
 
 
 def test_requests_carry_the_lineage_key_in_the_session_header_or_none():

@@ -220,9 +220,9 @@ class Pool:
                         answered = exc if self.failed(replica, exc) else None
                         continue
                     for row in rows:
-                        self.served(replica, row)
+                        self.served(replica, row, generated_from=len(tokens))
                         if key is not None:
-                            self.sessions.record(row, key)
+                            self.sessions.record(row, key, generated_from=len(tokens))
                     return value
         except EngineError:
             if answered is None:
@@ -341,13 +341,15 @@ class Pool:
                     other.health.fail(str(error))
         return False
 
-    def served(self, replica: Replica, tokens: Sequence[int]) -> None:
-        """``replica`` answered a request; ``tokens`` (prompt and generated) live there."""
+    def served(self, replica: Replica, tokens: Sequence[int],
+               generated_from: int | None = None) -> None:
+        """``replica`` answered a request; ``tokens`` (prompt and generated from
+        ``generated_from`` on) live there."""
         with self._lock:
             replica.served += 1
             replica.health.succeed()
             if len(self.replicas) > 1:
-                self.router.record(tokens, self.replicas.index(replica))
+                self.router.record(tokens, self.replicas.index(replica), generated_from)
 
     def info(self) -> list[ReplicaInfo]:
         self.rejoin_due()

@@ -13,9 +13,12 @@ computed each block (`Lineage`, least recently used first out).  A request goes 
    block-aligned tokens, the same on every client and stable when a replica leaves (only the
    roots it held move);
 3. a new root **spills** to the least-loaded replica where its choice has more than
-   ``spill`` requests in flight beyond that one's; a lineage only past ``lineage_spill``
-   (`LINEAGE_SPILL`, larger: moving it recomputes its prefix there once, and a wide fork or
-   beam of a long state should not queue on one replica while the others idle).
+   ``spill`` requests in flight beyond that one's (a root that extends a remembered prefix
+   of prompt tokens too: the chats behind one system prompt); a request whose remembered
+   prefix reaches generated tokens continues a state, and moves only past
+   ``lineage_spill`` (`LINEAGE_SPILL`, larger: moving it recomputes its prefix there once,
+   and a wide fork or beam of a long state should not queue on one replica while the
+   others idle).
 
 A router in front of replicas (vllm-router's ``consistent_hash``, SGLang's gateway, Dynamo)
 hashes a header instead: `Sessions` gives each request a lineage key by the same rules, for
@@ -103,6 +106,9 @@ class Lineage:
                 best = (depth, replica)
         return best
 
+    def __contains__(self, h: bytes) -> bool:
+        return h in self._where
+
     def __len__(self) -> int:
         return len(self._where)
 
@@ -131,6 +137,7 @@ class Router:
         self.lineage_spill = max(lineage_spill, spill)
         self.names = dict(names) if names is not None else None
         self.lineage = Lineage()
+        self.generated = Lineage()     # the blocks that hold generated tokens
 
     def route(self, tokens: Sequence[int], loads: Mapping[int, int]) -> int:
         """The replica among ``loads`` (replica -> requests in flight; those that can serve
@@ -141,8 +148,9 @@ class Router:
         hashes = block_hashes(tokens, self.block)
         depth, replica = self.lineage.longest(hashes, loads)
         spill = self.spill
-        if depth and 2 * depth * self.block >= len(tokens):
-            spill = self.lineage_spill                       # where its prefix lives
+        if depth and 2 * depth * self.block >= len(tokens):     # where its prefix lives
+            if hashes[depth - 1] in self.generated:          # it continues a state
+                spill = self.lineage_spill
         elif not depth:
             key = hashes[0] if hashes else array("q", tokens).tobytes()
             names = self.names or {r: str(r) for r in loads}
@@ -151,10 +159,14 @@ class Router:
             replica = min(sorted(loads), key=lambda r: loads[r])
         return replica
 
-    def record(self, tokens: Sequence[int], replica: int) -> None:
+    def record(self, tokens: Sequence[int], replica: int,
+               generated_from: int | None = None) -> None:
         """``tokens`` were (or are being) computed on ``replica``: their whole blocks live
-        there now."""
-        self.lineage.record(block_hashes(tokens, self.block), replica)
+        there now; those from ``generated_from`` on were generated (None: none)."""
+        hashes = block_hashes(tokens, self.block)
+        self.lineage.record(hashes, replica)
+        if generated_from is not None:
+            self.generated.record(hashes[generated_from // self.block:], 1)
 
 
 class Sessions:
@@ -166,9 +178,12 @@ class Sessions:
        chat turns, and a new root that mostly extends a prefix sent before (a document that
        many programs share stays on one replica);
     2. otherwise it is a new root, keyed by its own tokens (the digest of its whole blocks);
-    3. a request that adds whole blocks of its own to a chain whose key has more than
-       ``spill`` requests in flight is keyed by its own tokens too (a router cannot spill:
-       without this, every chat behind one system prompt would share one key).
+    3. a new root that extends a remembered chain of prompt tokens with tokens of its own,
+       where the chain's key has more than ``spill`` requests in flight, is keyed by all of
+       its tokens (a router cannot spill: without this, every chat behind one system prompt
+       would share one key).  A request whose chain reaches tokens a server generated
+       continues a state (a continuation, a beam, a score, a chat's next turn): it keeps
+       the key however busy.
 
     Examples
     --------
@@ -186,6 +201,7 @@ class Sessions:
         self.block = block
         self.spill = spill
         self.lineage = Lineage()
+        self.generated = Lineage()     # the blocks that hold generated tokens
         self.flying: Counter[str] = Counter()
         self._lock = threading.Lock()
 
@@ -194,12 +210,13 @@ class Sessions:
         hashes = block_hashes(tokens, self.block)
         with self._lock:
             depth, key = self.lineage.longest(hashes)
-            busy = depth < len(hashes) and self.flying[key] > self.spill
+            busy = (depth * self.block < len(tokens) and self.flying[key] > self.spill
+                    and not (depth and hashes[depth - 1] in self.generated))
         if depth and 2 * depth * self.block >= len(tokens) and not busy:
             return key
-        own = hashes[-1] if hashes else hashlib.blake2b(array("q", tokens).tobytes(),
-                                                        digest_size=12).digest()
-        return own.hex()
+        if hashes and not busy:
+            return hashes[-1].hex()
+        return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=12).hexdigest()
 
     def begin(self, tokens: Sequence[int]) -> str:
         """The key of a request of ``tokens`` that starts now (in flight until `end`)."""
@@ -214,8 +231,12 @@ class Sessions:
             if not self.flying[key]:
                 del self.flying[key]
 
-    def record(self, tokens: Sequence[int], key: str) -> None:
-        """``tokens`` were computed under ``key``: their whole blocks carry it now."""
+    def record(self, tokens: Sequence[int], key: str, generated_from: int | None = None
+               ) -> None:
+        """``tokens`` were computed under ``key``: their whole blocks carry it now; those
+        from ``generated_from`` on were generated (None: none)."""
         hashes = block_hashes(tokens, self.block)
         with self._lock:
             self.lineage.record(hashes, key)
+            if generated_from is not None:
+                self.generated.record(hashes[generated_from // self.block:], 1)
