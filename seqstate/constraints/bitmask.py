@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["words", "pack", "unpack", "has", "set_bits", "trim"]
+__all__ = ["CPU", "words", "pack", "unpack", "unpack_tensor", "has", "set_bits", "trim"]
 
 
 def words(size: int) -> int:
@@ -32,16 +32,30 @@ def pack(mask: torch.Tensor, n: int) -> np.ndarray:
     return np.packbits(bits, bitorder="little").view(np.int32)
 
 
-def unpack(packed: np.ndarray, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+CPU = torch.device("cpu")
+
+
+def unpack(packed: np.ndarray, size: int, device: torch.device = CPU) -> torch.Tensor:
     """Bool masks (B, size) on ``device`` from packed rows (B, W): unpacked on the host for
-    the CPU, else copied packed (32 times smaller) and unpacked on the device."""
-    device = torch.device(device)
+    the CPU, else copied packed (32 times smaller) and unpacked on the device
+    (`unpack_tensor`)."""
     if device.type == "cpu":
         bits = np.unpackbits(packed.view(np.uint8), axis=-1, bitorder="little").view(bool)
-        return torch.from_numpy(bits)[:, :size]
-    on = torch.from_numpy(packed).to(device, non_blocking=True)                    # (B, W)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    bits = (on.unsqueeze(-1) >> shifts) & 1                                        # (B, W, 32)
+        mask = torch.from_numpy(bits)
+        return mask if bits.shape[-1] == size else mask[:, :size]
+    return unpack_tensor(torch.from_numpy(packed).to(device, non_blocking=True), size)
+
+
+def unpack_tensor(packed: torch.Tensor, size: int) -> torch.Tensor:
+    """Bool masks (B, size) from packed rows (B, W), an int32 tensor on any device, unpacked
+    there.
+
+    >>> packed = np.array([[5, -1], [0, 1 << 30]], dtype=np.int32)
+    >>> torch.equal(unpack_tensor(torch.from_numpy(packed), 63), unpack(packed, 63))
+    True
+    """
+    shifts = torch.arange(32, dtype=torch.int32, device=packed.device)
+    bits = (packed.unsqueeze(-1) >> shifts) & 1                                    # (B, W, 32)
     return bits.view(packed.shape[0], -1)[:, :size].bool()
 
 
@@ -50,19 +64,20 @@ def has(row: np.ndarray, token: int) -> bool:
     return bool((int(row[token >> 5]) >> (token & 31)) & 1)
 
 
-def set_bits(packed: np.ndarray, ids: Sequence[int], value) -> None:
-    """Allow (``value`` true) or refuse the tokens ``ids`` in packed rows (..., W), in place;
-    ``value`` is one bool or one per row."""
+def set_bits(packed: np.ndarray, ids: Sequence[int], value: bool) -> None:
+    """Allow (``value`` true) or refuse the tokens ``ids`` in packed rows (..., W), in
+    place."""
     words = packed.view(np.uint32)
-    value = np.asarray(value, dtype=bool)
     for t in ids:
         bit = np.uint32(1 << (t & 31))
-        column = words[..., t >> 5]
-        words[..., t >> 5] = np.where(value, column | bit, column & ~bit)
+        if value:
+            words[..., t >> 5] |= bit
+        else:
+            words[..., t >> 5] &= ~bit
 
 
 def trim(packed: np.ndarray, size: int) -> None:
-    """Refuse every token from ``size`` on in packed rows (..., W), in place."""
-    packed[..., words(size):] = 0
+    """Refuse the tokens from ``size`` on that packed rows (..., words(size)) hold, in
+    place."""
     if size % 32:
         packed.view(np.uint32)[..., size // 32] &= np.uint32((1 << (size % 32)) - 1)

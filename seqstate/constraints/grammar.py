@@ -127,9 +127,13 @@ class GrammarConstraint(Constraint):
     def kept(self, packed: np.ndarray, accepting: Sequence[bool]) -> np.ndarray:
         """llguidance's packed masks (n, >= W) as cursors keep them (n, W), changed in place:
         EOS allowed where the row is ``accepting``, nothing past the vocabulary."""
-        bitmask.set_bits(packed, self.eos, accepting)
+        packed = packed[:, : bitmask.words(self.vocab_size)]
+        bitmask.set_bits(packed, self.eos, False)
+        for row, on in zip(packed, accepting):
+            if on:
+                bitmask.set_bits(row, self.eos, True)
         bitmask.trim(packed, self.vocab_size)
-        return packed[:, : bitmask.words(self.vocab_size)]
+        return packed
 
     def start(self) -> GrammarCursor:
         return GrammarCursor(self, self._origin.deep_copy())
@@ -236,7 +240,9 @@ class GrammarCursor(Cursor):
         one parallel llguidance call (it releases the GIL), each kept by its cursor (a cursor
         outlives the step)."""
         todo = list({id(c): c for c in cursors if c._words is None}.values())
-        if todo:
+        if len(todo) == 1:
+            todo[0].words()                  # one row: the matcher's own call, no thread pool
+        elif todo:
             first = todo[0].constraint
             fresh = llguidance.numpy.allocate_token_bitmask(len(todo), first.vocab_size)
             llguidance.numpy.fill_next_token_bitmask_par(

@@ -40,7 +40,10 @@ def packed_masks(rows: Sequence[LiveRow], vocab_size: int) -> np.ndarray | None:
     bans = [r.bans.get(len(r.tokens)) for r in rows]
     if all(c is None for c in cursors) and not any(bans):
         return None
-    out = np.full((len(rows), bitmask.words(vocab_size)), -1, dtype=np.int32)        # (B, W)
+    out = np.empty((len(rows), bitmask.words(vocab_size)), dtype=np.int32)           # (B, W)
+    free = [j for j, c in enumerate(cursors) if c is None]
+    if free:
+        out[free] = -1                                  # every other row is its cursor's
     kinds: dict[type, tuple[list, list[int]]] = {}
     for j, c in enumerate(cursors):
         if c is not None:
