@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 import seqstate as ss  # noqa: E402
 from benchmarks import (activations, batch, beam, engine, engines,  # noqa: E402
-                        first_calls, hooks, json_schemas, kept, maskbench, overhead,
+                        first_calls, hooks, json_schemas, kept, maskbench, masks, overhead,
                         programs, scoring, service, speculation, vllm, vllm_pool)
 
 SUITES = {"engine": engine.main, "programs": programs.main, "hooks": hooks.main,
@@ -25,7 +25,8 @@ SUITES = {"engine": engine.main, "programs": programs.main, "hooks": hooks.main,
           "first_calls": first_calls.main, "scoring": scoring.main,
           "variants": scoring.variants_main, "vllm": vllm.main, "kept": kept.main,
           "overhead": overhead.main, "service": service.main,
-          "activations": activations.main, "pool": vllm_pool.main, "maskbench": maskbench.main}
+          "activations": activations.main, "pool": vllm_pool.main, "maskbench": maskbench.main,
+          "masks": masks.main}
 
 
 def main(argv: list[str]) -> None:

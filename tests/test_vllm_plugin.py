@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import Future
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -182,22 +183,37 @@ def test_a_request_waits_then_runs_or_ends_by_its_signal(served, plugin, builder
 def test_every_rows_mask_is_applied_at_once_as_row_by_row(served, plugin, builder, tiny):
     table, _, _ = served
     cursors = plugin.module("cursors")
-    for text in ("[0-9]{2}", "(?:yes|no)"):
-        builder.build(keys.REGEX, text).result(timeout=30)
-    requests = {0: cursors.Request(_spec(served, **{keys.REGEX: "[0-9]{2}"}), [],
+    for kind, text in ((keys.REGEX, "[0-9]{2}"), (keys.REGEX, "(?:yes|no)"),
+                       (keys.GRAMMAR, SUM_GRAMMAR)):
+        builder.build(kind, text).result(timeout=30)
+
+    def requests():
+        """Regex, forced, banned and grammar rows (two grammar rows past a token): the
+        grammar rows' masks are filled together in `mask_rows`, one by one in ``keep``."""
+        made = {0: cursors.Request(_spec(served, **{keys.REGEX: "[0-9]{2}"}), [],
                                    builder.build(keys.REGEX, "[0-9]{2}")),
                 2: cursors.Request(_spec(served, **{keys.FORCE: [5, 6]}), [], None),
                 3: cursors.Request(_spec(served, **{keys.BAN: [[0, [1, 2, 3]]]}), [], None),
                 4: cursors.Request(_spec(served, **{keys.REGEX: "(?:yes|no)"}), [],
                                    builder.build(keys.REGEX, "(?:yes|no)"))}
-    logits = torch.randn(6, table.size + 64)                  # a padded vocabulary
+        for index, output in ((6, []), (7, tiny.encode("12")), (8, tiny.encode("7+"))):
+            made[index] = cursors.Request(_spec(served, **{keys.GRAMMAR: SUM_GRAMMAR}),
+                                          output, builder.build(keys.GRAMMAR, SUM_GRAMMAR))
+        return made
+
+    logits = torch.randn(10, table.size + 64)                 # a padded vocabulary
     expected = logits.clone()
-    for index, request in requests.items():
+    for index, request in requests().items():
         keep = request.keep(logits.shape[1])
         expected[index].masked_fill_(~keep, float("-inf"))
-    got = cursors.mask_rows(requests, logits)
+    got = cursors.mask_rows(requests(), logits)
     assert torch.equal(got, expected)
     assert torch.isfinite(got[1]).all() and torch.isfinite(got[5]).all()     # free rows
+    assert all(torch.isfinite(got[j]).sum() > 1 for j in (6, 7, 8))     # more than EOS
+    packed = np.stack([r.packed(logits.shape[1]) for r in requests().values()])
+    assert torch.equal(cursors.unpack_tensor(torch.from_numpy(packed.view(np.int32)),
+                                             logits.shape[1]),                # a GPU's way
+                       cursors.unpack(packed, logits.shape[1], torch.device("cpu")))
 
 
 # -- both model runners ----------------------------------------------------------------------

@@ -5,14 +5,21 @@ and only EOS once nothing else can follow (a dead end).  A regex or grammar is b
 step loop (`seqstate_vllm.build`); until it is, and where it failed, went over a bound or
 fails mid-way, the request is ended by one of its spec's signal tokens (`SIGNAL_KINDS`),
 which it sends as stop tokens: its client reads why, never a silent EOS.
+
+Masks are packed as llguidance packs them (token ``t`` allowed where bit ``t % 32`` of word
+``t // 32`` is set): a step's grammar rows are filled together by llguidance's thread pool,
+and the batch's masks go to the logits' device packed, 32 times smaller than bool masks,
+to be unpacked there.
 """
 
 from __future__ import annotations
 
 import logging
+import functools
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import torch
 
 from seqstate_vllm.build import Built
@@ -20,7 +27,8 @@ from seqstate_vllm.table import table
 from seqstate_vllm.wire import (ALLOW, BAN, BROKE, FORCE, GRAMMAR, HEAL, PENDING, REGEX, REPLAY,
                                 SIGNAL_KINDS, SIGNALS)
 
-__all__ = ["RegexCursor", "GrammarCursor", "HealCursor", "cursor_of", "Request", "mask_rows"]
+__all__ = ["RegexCursor", "GrammarCursor", "HealCursor", "cursor_of", "Request", "mask_rows",
+           "unpack", "unpack_tensor"]
 
 _MASKS = 4096           # allowed-token masks kept per compiled regex
 
@@ -43,14 +51,11 @@ class RegexCursor:
         self.state = nxt
         return True
 
-    def allowed(self, width: int) -> torch.Tensor:
+    def allowed(self, width: int) -> np.ndarray:
         m = self.masks.get((self.state, width))
         if m is None:
-            m = torch.zeros(width, dtype=torch.bool)
-            ids = self.index.get_allowed_tokens(self.state) or []
-            if ids:
-                m[torch.tensor(ids, dtype=torch.long)] = True
-            m[table().eos] = self.index.is_final_state(self.state)
+            m = _only(width, self.index.get_allowed_tokens(self.state) or [])
+            _set(m, table().eos, self.index.is_final_state(self.state))
             self.masks[self.state, width] = m
             if len(self.masks) > _MASKS:
                 self.masks.popitem(last=False)
@@ -58,25 +63,48 @@ class RegexCursor:
 
 
 class GrammarCursor:
-    """A copy of the compiled grammar's llguidance matcher."""
+    """A copy of the compiled grammar's llguidance matcher, and its packed mask once known."""
 
     def __init__(self, compiled: Any) -> None:
         self.matcher = compiled.deep_copy()
+        self.words: np.ndarray | None = None
         if self.matcher.is_error():
             raise ValueError(self.matcher.get_error())
 
     def advance(self, token: int) -> bool:
+        self.words = None
         return self.matcher.consume_token(token) and not self.matcher.is_error()
 
-    def allowed(self, width: int) -> torch.Tensor:
-        import numpy as np
+    @staticmethod
+    def fill(cursors: list[GrammarCursor]) -> None:
+        """The cursors' masks in one call to llguidance's thread pool (no GIL held)."""
+        if cursors:
+            import llguidance.numpy
 
-        packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        bits = np.unpackbits(packed, bitorder="little")[: table().size].astype(bool)
-        m = torch.zeros(width, dtype=torch.bool)
-        m[: bits.shape[0]] = torch.from_numpy(bits)
-        m[table().eos] = self.matcher.is_accepting()
+            packed = llguidance.numpy.allocate_token_bitmask(len(cursors), table().size)
+            llguidance.numpy.fill_next_token_bitmask_par(
+                _executor(), [(c.matcher, k) for k, c in enumerate(cursors)], packed)
+            for c, row in zip(cursors, packed.view(np.uint32)):
+                c.words = row
+
+    def allowed(self, width: int) -> np.ndarray:
+        if self.words is None:
+            self.words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32)
+        t = table()
+        m = np.zeros(_words(width), dtype=np.uint32)
+        n = _words(t.size)
+        m[:n] = self.words[:n]
+        if t.size % 32:
+            m[t.size // 32] &= np.uint32((1 << (t.size % 32)) - 1)
+        _set(m, t.eos, self.matcher.is_accepting())
         return m
+
+
+@functools.cache
+def _executor():
+    import llguidance
+
+    return llguidance.LLExecutor()
 
 
 class HealCursor:
@@ -95,16 +123,13 @@ class HealCursor:
             return False
         return True
 
-    def allowed(self, width: int) -> torch.Tensor | None:
+    def allowed(self, width: int) -> np.ndarray | None:
         if not self.remaining:
             return None
         t = table()
-        m = torch.zeros(width, dtype=torch.bool)
-        ids = [i for i in t.by_prefix.get(self.remaining[:1], ())
-               if t.tokens[i].startswith(self.remaining) or self.remaining.startswith(t.tokens[i])]
-        if ids:
-            m[torch.tensor(ids, dtype=torch.long)] = True
-        return m
+        return _only(width, [i for i in t.by_prefix.get(self.remaining[:1], ())
+                             if t.tokens[i].startswith(self.remaining)
+                             or self.remaining.startswith(t.tokens[i])])
 
 
 def cursor_of(spec: dict[str, Any], built: Built | None = None
@@ -154,8 +179,9 @@ class Request:
         if self.dead:                 # a replayed token the constraint refuses
             self.signal = BROKE
 
-    def ended(self, width: int) -> torch.Tensor:
-        """The mask that ends the request: its signal's token, or EOS where it has none."""
+    def ended(self, width: int) -> np.ndarray:
+        """The packed mask that ends the request: its signal's token, or EOS where it has
+        none."""
         if self.signal in self.signals:
             return _only(width, [self.signals[self.signal]])
         return _only(width, table().eos)
@@ -168,12 +194,10 @@ class Request:
         if self.cursor is not None and not self.dead and not self.cursor.advance(token):
             self.dead = True
 
-    def keep(self, width: int) -> torch.Tensor | None:
-        """Walk the tokens generated since the last step, then say which of ``width`` token
-        ids the next may be (a bool mask on the CPU); None where any may.
-
-        The cursor starts first, so a request that joins with output tokens already (resumed
-        after a preemption) has them walked too."""
+    def walk(self) -> None:
+        """Walk the tokens generated since the last step.  The cursor starts first, so a
+        request that joins with output tokens already (resumed after a preemption) has them
+        walked too."""
         if self.build is not None and self.build.done():
             self._start()
         while self.build is None and self.seen < len(self.output):
@@ -183,6 +207,20 @@ class Request:
                 if self.dead and self.signals:      # the mask allowed it: the cursor broke
                     self.signal = BROKE
             self.seen += 1
+
+    def grammar(self) -> GrammarCursor | None:
+        """Its grammar cursor, where the next token's mask is the cursor's and not known yet
+        (walked first): the rows `mask_rows` fills together."""
+        c = self.cursor
+        if (isinstance(c, GrammarCursor) and c.words is None and self.build is None
+                and self.signal is None and not self.dead and len(self.output) >= len(self.force)):
+            return c
+        return None
+
+    def packed(self, width: int) -> np.ndarray | None:
+        """Walk the tokens generated since the last step, then say which of ``width`` token
+        ids the next may be (packed, uint32 (ceil(width / 32),)); None where any may."""
+        self.walk()
         k = len(self.output)
         if self.build is not None and self.signal is None:
             self.signal = PENDING
@@ -197,32 +235,80 @@ class Request:
             if keep is not None and not keep.any():
                 keep = _only(width, table().eos)
             if keep is not None and self.signals:           # never a signal by chance
-                keep = keep.clone()
-                keep[list(self.signals.values())] = False
+                keep = keep.copy()
+                _set(keep, list(self.signals.values()), False)
         if k in self.allow:
             extra = _only(width, self.allow[k])
             keep = extra if keep is None else keep & extra
         if k in self.ban:
-            keep = (torch.ones(width, dtype=torch.bool) if keep is None else keep.clone())
-            keep[self.ban[k]] = False
+            keep = (np.full(_words(width), 0xFFFFFFFF, dtype=np.uint32) if keep is None
+                    else keep.copy())
+            _set(keep, self.ban[k], False)
         return keep
 
+    def keep(self, width: int) -> torch.Tensor | None:
+        """`packed` as a bool mask (width,) on the CPU; None where any may."""
+        keep = self.packed(width)
+        return None if keep is None else unpack(keep[None], width, torch.device("cpu"))[0]
 
-def _only(width: int, ids) -> torch.Tensor:
-    keep = torch.zeros(width, dtype=torch.bool)
-    keep[ids] = True
+
+def _words(width: int) -> int:
+    return (width + 31) // 32
+
+
+def _set(keep: np.ndarray, ids, value: bool) -> None:
+    """Allow (``value``) or refuse the tokens ``ids`` in the packed mask ``keep``, in place."""
+    ids = np.asarray(ids, dtype=np.int64)
+    bits = np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32))
+    if value:
+        np.bitwise_or.at(keep, ids >> 5, bits)
+    else:
+        np.bitwise_and.at(keep, ids >> 5, ~bits)
+
+
+def _only(width: int, ids) -> np.ndarray:
+    keep = np.zeros(_words(width), dtype=np.uint32)
+    _set(keep, ids, True)
     return keep
+
+
+def unpack(packed: np.ndarray, width: int, device: torch.device) -> torch.Tensor:
+    """Bool masks (rows, width) on ``device`` from packed masks (rows, W): unpacked on the
+    host for the CPU, else copied packed and unpacked on the device (`unpack_tensor`)."""
+    if device.type == "cpu":
+        bits = np.unpackbits(packed.view(np.uint8), axis=-1, bitorder="little").view(bool)
+        return torch.from_numpy(bits)[:, :width]
+    return unpack_tensor(torch.from_numpy(packed.view(np.int32)).to(device, non_blocking=True),
+                         width)
+
+
+def unpack_tensor(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """Bool masks (rows, width) from packed masks (rows, W), int32 on any device, there."""
+    bits = (packed.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=packed.device)) & 1
+    return bits.view(packed.shape[0], -1)[:, :width].bool()
 
 
 def mask_rows(requests: dict[int, Request], logits: torch.Tensor) -> torch.Tensor:
     """``logits`` (batch, V), each row that ``requests`` holds a `Request` for masked (in
-    place) to what its next token may be: every row at once, one copy of the masks to the
-    logits' device and one fill.  A request whose constraint fails here is ended (`fail`)."""
-    rows, masks = [], []
+    place) to what its next token may be: the grammar rows' masks filled together, every
+    row's mask copied to the logits' device at once (packed) and applied in one fill.  A
+    request whose constraint fails here is ended (`fail`)."""
     width = logits.shape[1]
+    for request in requests.values():
+        try:
+            request.walk()
+        except Exception:
+            log.exception("seqstate constraint failed mid-way; the request ends here")
+            request.fail()
+    grammars = [r.grammar() for r in requests.values()]
+    try:
+        GrammarCursor.fill([c for c in grammars if c is not None])
+    except Exception:                     # each row's own mask then says what failed
+        log.exception("llguidance's batched masks failed; each row computes its own")
+    rows, masks = [], []
     for index, request in requests.items():
         try:
-            keep = request.keep(width)
+            keep = request.packed(width)
         except Exception:
             log.exception("seqstate constraint failed mid-way; the request ends here")
             request.fail()
@@ -232,6 +318,7 @@ def mask_rows(requests: dict[int, Request], logits: torch.Tensor) -> torch.Tenso
             masks.append(keep)
     if rows:
         at = torch.tensor(rows, device=logits.device)
-        keep = torch.stack(masks).to(logits.device, non_blocking=True)       # (rows, V)
+        keep = unpack(np.stack(masks), width, logits.device)                   # (rows, V)
         logits[at] = logits[at].masked_fill_(~keep, float("-inf"))
     return logits
+
