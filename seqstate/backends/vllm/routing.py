@@ -113,7 +113,28 @@ class Lineage:
         return len(self._where)
 
 
-class Router:
+class _Chains:
+    """What a router and a key maker both remember of the tokens sent: each block digest's
+    value (`Lineage`), and which blocks hold generated tokens (a request whose remembered
+    chain reaches one continues a state)."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+        self.lineage = Lineage()
+        self.generated = Lineage()
+
+    def _remember(self, tokens: Sequence[int], value, generated_from: int | None) -> None:
+        hashes = block_hashes(tokens, self.block)
+        self.lineage.record(hashes, value)
+        if generated_from is not None:
+            self.generated.record(hashes[generated_from // self.block:], 1)
+
+    def _continues(self, hashes: Sequence[bytes], depth: int) -> bool:
+        """Whether the first ``depth`` blocks of ``hashes`` reach generated tokens."""
+        return depth > 0 and hashes[depth - 1] in self.generated
+
+
+class Router(_Chains):
     """The pool's routing rules (see the module's docstring).
 
     Parameters
@@ -132,12 +153,10 @@ class Router:
     def __init__(self, block: int = BLOCK, spill: int = SPILL,
                  names: Mapping[int, str] | None = None,
                  lineage_spill: int = LINEAGE_SPILL) -> None:
-        self.block = block
+        super().__init__(block)
         self.spill = spill
         self.lineage_spill = max(lineage_spill, spill)
         self.names = dict(names) if names is not None else None
-        self.lineage = Lineage()
-        self.generated = Lineage()     # the blocks that hold generated tokens
 
     def route(self, tokens: Sequence[int], loads: Mapping[int, int]) -> int:
         """The replica among ``loads`` (replica -> requests in flight; those that can serve
@@ -149,7 +168,7 @@ class Router:
         depth, replica = self.lineage.longest(hashes, loads)
         spill = self.spill
         if depth and 2 * depth * self.block >= len(tokens):     # where its prefix lives
-            if hashes[depth - 1] in self.generated:          # it continues a state
+            if self._continues(hashes, depth):                # it continues a state
                 spill = self.lineage_spill
         elif not depth:
             key = hashes[0] if hashes else array("q", tokens).tobytes()
@@ -163,13 +182,10 @@ class Router:
                generated_from: int | None = None) -> None:
         """``tokens`` were (or are being) computed on ``replica``: their whole blocks live
         there now; those from ``generated_from`` on were generated (None: none)."""
-        hashes = block_hashes(tokens, self.block)
-        self.lineage.record(hashes, replica)
-        if generated_from is not None:
-            self.generated.record(hashes[generated_from // self.block:], 1)
+        self._remember(tokens, replica, generated_from)
 
 
-class Sessions:
+class Sessions(_Chains):
     """Each request's lineage key, for a router in front of replicas to hash (the session
     header), by `Router`'s rules, from tokens alone (every client gives the same):
 
@@ -198,10 +214,8 @@ class Sessions:
     """
 
     def __init__(self, block: int = BLOCK, spill: int = SPILL) -> None:
-        self.block = block
+        super().__init__(block)
         self.spill = spill
-        self.lineage = Lineage()
-        self.generated = Lineage()     # the blocks that hold generated tokens
         self.flying: Counter[str] = Counter()
         self._lock = threading.Lock()
 
@@ -211,7 +225,7 @@ class Sessions:
         with self._lock:
             depth, key = self.lineage.longest(hashes)
             busy = (depth * self.block < len(tokens) and self.flying[key] > self.spill
-                    and not (depth and hashes[depth - 1] in self.generated))
+                    and not self._continues(hashes, depth))
         if depth and 2 * depth * self.block >= len(tokens) and not busy:
             return key
         if hashes and not busy:
@@ -235,8 +249,5 @@ class Sessions:
                ) -> None:
         """``tokens`` were computed under ``key``: their whole blocks carry it now; those
         from ``generated_from`` on were generated (None: none)."""
-        hashes = block_hashes(tokens, self.block)
         with self._lock:
-            self.lineage.record(hashes, key)
-            if generated_from is not None:
-                self.generated.record(hashes[generated_from // self.block:], 1)
+            self._remember(tokens, key, generated_from)
