@@ -11,6 +11,7 @@ run in the server's plugin; their tokens must equal the HF engine's, which runs 
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import json
 import threading
@@ -312,8 +313,8 @@ def test_a_server_that_ignores_forcing_names_both_plugins(vllm, monkeypatch):
     # a server started without the plugin ignores the spec: its greedy tokens come back
     backend = vllm.backend
     served = backend.complete
-    monkeypatch.setattr(backend, "complete", lambda tokens, *, spec=None, **kw:
-                        served(tokens, **kw))
+    monkeypatch.setattr(backend, "complete", lambda request:
+                        served(dataclasses.replace(request, spec=None)))
     state = ss.text(vllm)("The capital of France is", max_tokens=1)
     with pytest.raises(ss.EngineError, match="plugin loaded") as err:
         state.score([" zebra zebra zebra"])
